@@ -1,0 +1,708 @@
+"""Token sources and the batches a training step sees.
+
+Sources (DESIGN §2.1-2.2), all opened by `open_tokens(path, split)` and read through memory maps:
+  - a prepare.py directory: `manifest.json` + `train_00000.bin ...` + `val_00000.bin ...`
+  - a raw token file, such as nanoGPT's `train.bin` (uint16 unless `dtype` says otherwise)
+  - a nanoGPT data directory holding `train.bin` and `val.bin`
+  - a directory of `shard_*.bin` raw token files (uint16 unless `dtype` says otherwise)
+  - a Megatron-LM indexed dataset, given by its prefix (`PREFIX.bin` + `PREFIX.idx`)
+Every one of them is one token stream: the concatenation of its files in order.
+
+Windows and order (DESIGN §5): sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
+targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of
+all windows, a pure function of (seed, source, epoch). Global sample g is the g-th entry of that endless
+sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-step m on rank r takes the
+contiguous slice starting at s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the
+count of consumed samples (plus, when blending, how many of them came from each source).
+"""
+import bisect
+import json
+import math
+import queue
+import re
+import resource
+import struct
+import threading
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "mamba3-lite-tokens"
+MANIFEST_VERSION = 1
+# torch is imported inside the few functions that make tensors: prepare.py shares this file's format
+# helpers, and its commands should start in a fraction of a second, not wait seconds for torch.
+FORMATS = (
+    "a prepare.py directory (manifest.json), a raw token file such as nanoGPT's train.bin, a nanoGPT data "
+    "directory (train.bin, val.bin), a directory of shard_*.bin files, or a Megatron prefix (PREFIX.bin + PREFIX.idx)"
+)
+
+
+class DataError(ValueError):
+    """Bad input data. The message names the file, what was expected and what was found."""
+
+
+# -----------------------------------------------------------------------------
+# token sources
+
+
+class TokenSource:
+    """One token stream made of memory-mapped files ("segments"), read without copying where possible.
+
+    Attributes: `path` (what was opened), `files`, `dtype`, `num_tokens`, `vocab_size` and `eos_id` (from the
+    manifest; None for raw sources), `tokenizer` (the manifest's tokenizer spec dict, or None; rebuild it with
+    `prepare.load_tokenizer(source.tokenizer, source.path)`), and `max_token_id` (from the manifest, else one
+    vectorised scan of the files on first use).
+    """
+
+    def __init__(self, path, files, dtype, vocab_size=None, eos_id=None, tokenizer=None, max_token_id=None):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.vocab_size, self.eos_id, self.tokenizer = vocab_size, eos_id, tokenizer
+        self._max_token_id = max_token_id
+        self._min_token_id = None if max_token_id is None or self.dtype.kind == "i" else 0
+        _raise_open_file_limit(len(files))
+        self.files, self._segments = [], []
+        for f in files:
+            nbytes = Path(f).stat().st_size
+            if nbytes % self.dtype.itemsize:
+                raise DataError(
+                    f"{f}: expected a whole number of {self.dtype.name} tokens ({self.dtype.itemsize} bytes each), "
+                    f"found {nbytes} bytes; wrong --dtype, or a truncated file?"
+                )
+            if nbytes:  # np.memmap refuses empty files, and an empty segment holds no tokens anyway
+                self.files.append(Path(f))
+                # A plain ndarray view: slicing it is several times cheaper than slicing an np.memmap.
+                self._segments.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
+        lengths = [len(s) for s in self._segments]
+        self._starts = [0] + list(np.cumsum(lengths, dtype=np.int64).tolist())  # segment k is [starts[k], starts[k+1])
+        self.num_tokens = self._starts[-1]
+        if self.num_tokens == 0:
+            raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
+        self._strided = {}  # seq_len -> (windows, seq_len + 1) strided view, for single-file sources
+
+    def __repr__(self):
+        return f"TokenSource({str(self.path)!r}, {self.num_tokens:,} {self.dtype.name} tokens in {len(self.files)} files)"
+
+    def __len__(self):
+        return self.num_tokens
+
+    @property
+    def max_token_id(self) -> int:
+        if self._max_token_id is None:
+            self._scan()
+        return self._max_token_id
+
+    def _scan(self):
+        # One vectorised pass per file; the page cache does the rest.
+        self._max_token_id = int(max(s.max() for s in self._segments))
+        self._min_token_id = int(min(s.min() for s in self._segments))
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) in the source dtype: a zero-copy view when they lie inside one file,
+        else one np.concatenate of the pieces."""
+        if start < 0 or n < 0 or start + n > self.num_tokens:
+            raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
+        k = bisect.bisect_right(self._starts, start) - 1
+        lo = start - self._starts[k]
+        if lo + n <= len(self._segments[k]):
+            return self._segments[k][lo : lo + n]
+        pieces = []
+        while n > 0:
+            piece = self._segments[k][lo : lo + n]
+            pieces.append(piece)
+            n -= len(piece)
+            k, lo = k + 1, 0
+        return np.concatenate(pieces)
+
+    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
+        """The tokens of windows `ids`: (len(ids), seq_len + 1) array in the source dtype (see the module doc)."""
+        n = seq_len + 1
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(self._segments) == 1:
+            # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
+            view = self._strided.get(seq_len)
+            if view is None:
+                seg = self._segments[0]
+                rows = (len(seg) - 1) // seq_len
+                view = as_strided(seg, (rows, n), (seq_len * seg.itemsize, seg.itemsize), writeable=False)
+                self._strided[seq_len] = view
+            return view[ids]  # (B, n)
+        out = np.empty((len(ids), n), dtype=self.dtype)  # (B, n)
+        starts = ids * seq_len
+        seg_of = np.searchsorted(self._starts, starts, side="right") - 1
+        for b, (start, k) in enumerate(zip(starts.tolist(), seg_of.tolist())):
+            lo = start - self._starts[k]
+            seg = self._segments[k]
+            if lo + n <= len(seg):
+                out[b] = seg[lo : lo + n]
+            else:  # the window spans files: copy piece by piece straight into the row
+                row = out[b]
+                done = 0
+                while done < n:
+                    piece = self._segments[k][lo : lo + n - done]
+                    row[done : done + len(piece)] = piece
+                    done += len(piece)
+                    k, lo = k + 1, 0
+        return out
+
+
+def _raise_open_file_limit(n_files: int):
+    # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the usual
+    # soft limit of 1024. Raise it as far as the hard limit allows, and say so plainly if that is not enough.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = n_files + 256
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(hard, max(need, soft))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; raise `ulimit -n`")
+
+
+def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
+    """Open a token stream; see the module doc for the formats.
+
+    `split` picks train/val in a prepare.py directory or a nanoGPT data directory; the other formats hold one
+    stream, which is the train split (asking them for another split is a DataError: `splits(path)` says what
+    exists). `dtype` is for raw files and shard directories (default uint16); a format that records its dtype
+    refuses a different one. Missing paths, unknown layouts and malformed files raise DataError.
+    """
+    p = Path(path)
+    want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
+    if p.is_dir():
+        if (p / MANIFEST).exists():
+            return _open_manifest(p, split, want)
+        shards = sorted(p.glob("shard_*.bin"), key=_natural_key)
+        if shards:
+            _only_train(p, split, "a directory of shard_*.bin files")
+            return TokenSource(p, shards, want or np.uint16)
+        if (p / "train.bin").exists() or (p / "val.bin").exists():
+            if not (p / f"{split}.bin").exists():
+                raise DataError(f"{p}: expected {split}.bin in this nanoGPT data directory, found {_listing(p)}")
+            return TokenSource(p / f"{split}.bin", [p / f"{split}.bin"], want or np.uint16)
+        if any(p.glob("train_*.bin")):
+            raise DataError(
+                f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py writes last: an interrupted "
+                "prepare.py run? Run prepare.py again"
+            )
+        raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}")
+    prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
+    if Path(str(prefix) + ".idx").exists():
+        _only_train(prefix, split, "a Megatron dataset")
+        return _open_megatron(prefix, want)
+    if p.is_file():
+        _only_train(p, split, "a single token file")
+        return TokenSource(p, [p], want or np.uint16)
+    raise DataError(f"{p}: no such file or directory; expected {FORMATS}")
+
+
+def splits(path) -> list:
+    """The splits `open_tokens(path, split)` can open: ["train", "val"] for a prepared or nanoGPT directory
+    that has both, ["train"] for the single-stream formats."""
+    p = Path(path)
+    if (p / MANIFEST).exists():
+        return [name for name, s in read_manifest(p)["splits"].items() if s["tokens"] > 0]
+    if p.is_dir() and not any(p.glob("shard_*.bin")):
+        return [name for name in ("train", "val") if (p / f"{name}.bin").exists()]
+    return ["train"]
+
+
+def _only_train(p, split, what):
+    if split != "train":
+        raise DataError(
+            f"{p}: asked for the {split!r} split, but {what} holds one token stream (the train split); "
+            "give the validation data as a separate path"
+        )
+
+
+def _natural_key(path):
+    # shard_2.bin sorts before shard_10.bin
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def _listing(p, limit=8):
+    names = sorted(x.name for x in p.iterdir())
+    if not names:
+        return "an empty directory"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# -----------------------------------------------------------------------------
+# prepare.py directories: manifest.json
+
+
+def read_manifest(directory) -> dict:
+    """Read and check `directory/manifest.json` (DESIGN §2.1); raise DataError saying what is wrong.
+
+    Layout: {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
+             "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file", "tokens",
+             "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}
+    """
+    path = Path(directory) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found; a prepare.py directory is valid only once its manifest is written")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: expected a JSON manifest, found unreadable content ({e})")
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        found = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
+    if m.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found {m.get('version')!r}; a newer prepare.py?")
+    for key in ("dtype", "vocab_size", "eos_id", "tokenizer", "splits"):
+        if key not in m:
+            raise DataError(f"{path}: expected a {key!r} entry, found none")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path}: expected dtype uint16 or uint32, found {m['dtype']!r}")
+    for name, s in m["splits"].items():
+        if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
+            raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
+        for shard in s["shards"]:
+            if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
+                raise DataError(f"{path}: a shard of split {name!r} lacks file/tokens/documents/max_token_id/sha256")
+            if Path(shard["file"]).name != shard["file"]:
+                raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
+        if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
+            raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another number")
+    return m
+
+
+def _open_manifest(directory, split, dtype):
+    m = read_manifest(directory)
+    if dtype is not None and dtype != np.dtype(m["dtype"]):
+        raise DataError(f"{directory}: its manifest says dtype {m['dtype']}, not the {dtype.name} asked for")
+    s = m["splits"].get(split)
+    if s is None or s["tokens"] == 0:
+        have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
+        raise DataError(f"{directory}: expected a {split!r} split, found only {have} (prepared with --val-fraction 0?)")
+    itemsize = np.dtype(m["dtype"]).itemsize
+    files = []
+    for shard in s["shards"]:
+        f = Path(directory) / shard["file"]
+        if not f.exists():
+            raise DataError(f"{f}: listed in {MANIFEST} but missing")
+        size = f.stat().st_size
+        if size != shard["tokens"] * itemsize:
+            raise DataError(
+                f"{f}: expected {shard['tokens'] * itemsize} bytes ({shard['tokens']} {m['dtype']} tokens, per "
+                f"{MANIFEST}), found {size}; run `python prepare.py verify {directory}`"
+            )
+        files.append(f)
+    return TokenSource(
+        directory, files, m["dtype"], vocab_size=m["vocab_size"], eos_id=m["eos_id"],
+        tokenizer=m["tokenizer"], max_token_id=s["max_token_id"],
+    )
+
+
+# -----------------------------------------------------------------------------
+# Megatron-LM indexed datasets (DESIGN §2.2)
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = documents + 1
+
+
+def _open_megatron(prefix, dtype):
+    idx, binf = Path(str(prefix) + ".idx"), Path(str(prefix) + ".bin")
+    if not binf.exists():
+        raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and {binf.name}")
+    raw = idx.read_bytes()
+    if len(raw) < MEGATRON_HEADER.size:
+        raise DataError(f"{idx}: expected a {MEGATRON_HEADER.size}-byte header at least, found {len(raw)} bytes")
+    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
+    if magic != MEGATRON_MAGIC:
+        raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a Megatron index")
+    if version != 1:
+        raise DataError(f"{idx}: expected version 1, found {version}")
+    if code not in MEGATRON_DTYPES:
+        raise DataError(f"{idx}: expected a dtype code in {sorted(MEGATRON_DTYPES)} (integer tokens), found {code}")
+    token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
+    if dtype is not None and dtype != token:
+        raise DataError(f"{idx}: records dtype {token.name}, not the {dtype.name} asked for")
+    expected = MEGATRON_HEADER.size + 12 * S + 8 * D
+    if len(raw) != expected:
+        raise DataError(
+            f"{idx}: expected {expected} bytes (34 + 12 x {S} sequences + 8 x {D} document boundaries), found {len(raw)}"
+        )
+    o = MEGATRON_HEADER.size
+    lengths = np.frombuffer(raw, "<i4", S, o).astype(np.int64)  # (S,) tokens per sequence
+    pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence in .bin
+    docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) sequence index where each document starts, then S
+    if S == 0:
+        raise DataError(f"{idx}: expected at least one sequence, found none")
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise DataError(f"{idx}: expected non-negative sequence lengths, found {lengths[i]} at sequence {i}")
+    if (np.diff(pointers) < 0).any():
+        i = int(np.argmax(np.diff(pointers) < 0)) + 1
+        raise DataError(f"{idx}: expected increasing pointers, found {pointers[i]} after {pointers[i - 1]} at sequence {i}")
+    expect_ptr = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize
+    if (pointers != expect_ptr).any():
+        i = int(np.argmax(pointers != expect_ptr))
+        raise DataError(
+            f"{idx}: expected sequence {i} at byte {expect_ptr[i]} (right after the sequences before it), "
+            f"found pointer {pointers[i]}"
+        )
+    if D < 1 or docs[0] != 0 or docs[-1] != S or (np.diff(docs) < 0).any():
+        raise DataError(
+            f"{idx}: expected document boundaries rising from 0 to {S} (the sequence count), found "
+            f"{docs[:3].tolist()}...{docs[-3:].tolist()}"
+        )
+    want = int(lengths.sum()) * token.itemsize
+    have = binf.stat().st_size
+    if have != want:
+        what = "truncated" if have < want else "longer than its index says"
+        raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per {idx.name}), found {have}: {what}")
+    return TokenSource(prefix, [binf], token)
+
+
+# -----------------------------------------------------------------------------
+# vocabulary safety
+
+
+def check_vocab(source: TokenSource, vocab_size: int):
+    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model."""
+    top = source.max_token_id
+    if source._min_token_id is None:
+        source._scan()
+    if top >= vocab_size or source._min_token_id < 0:
+        bad = top if top >= vocab_size else source._min_token_id
+        raise DataError(
+            f"{source.path}: expected token ids in [0, {vocab_size}) for a model with vocab_size {vocab_size}, "
+            f"found {bad}" + (f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else "")
+            + "; use a model with a larger vocabulary or data made with its tokenizer"
+        )
+
+
+# -----------------------------------------------------------------------------
+# batches: epochs, global samples, ranks, blending, state
+
+
+class Batches:
+    """The endless sequence of this rank's micro-batches, per DESIGN §5 (see the module doc).
+
+    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device`, contiguous, with
+    y[:, j] == x[:, j+1]; for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn.
+      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them: global
+        sample g goes to the source furthest behind its share (earliest deadline among sources not ahead of
+        it), so that on every prefix of n samples each source's count is within one sample of n * weight.
+      - global_batch: sequences per optimizer step over all ranks and micro-steps; it must be a multiple of
+        micro_batch * world_size, and accum_steps = global_batch // (micro_batch * world_size).
+      - order_fn(epoch, order) -> order: the curriculum hook. It receives each epoch's shuffled window ids
+        (a 1-D integer array, for every source in turn) and returns the ids to use for that epoch, reordered,
+        filtered or repeated; it must be a deterministic function of its arguments, and return ids in
+        [0, len(order)). Without it an epoch is every window once.
+      - prefetch: build the next micro-batch in a background thread while the caller trains on this one.
+      - device: CUDA targets get pinned host memory and non_blocking copies.
+    state_dict() is a few numbers: consumed samples, per-source counts, and the settings that define the
+    sequence (global_batch, seq_len, seed, weights). load_state_dict() accepts a state saved with another
+    world_size or micro_batch (elastic resume) and refuses one saved with another global_batch, seq_len,
+    seed or blend. With prefetch the state is what the caller has taken, not what the thread has built.
+    Orders cost 4 bytes per window of memory (8 beyond 2**32 windows), for at most two epochs per source.
+    """
+
+    def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0, weights=None,
+                 device="cpu", prefetch=False, order_fn=None):
+        self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
+        if not self.sources:
+            raise DataError("Batches: expected at least one token source, found none")
+        for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("global_batch", global_batch),
+                        ("world_size", world_size)):
+            if int(v) != v or v < 1:
+                raise DataError(f"Batches: expected {name} to be a positive integer, found {v!r}")
+        if not 0 <= rank < world_size:
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank {rank}")
+        if int(seed) != seed or seed < 0:
+            raise DataError(f"Batches: expected a non-negative integer seed, found {seed!r}")
+        if global_batch % (micro_batch * world_size):
+            raise DataError(
+                f"global batch {global_batch} sequences is not a multiple of micro_batch {micro_batch} x "
+                f"world_size {world_size} = {micro_batch * world_size}; pick sizes where it is (for example a "
+                f"global batch of {max(1, round(global_batch / (micro_batch * world_size))) * micro_batch * world_size})"
+            )
+        self.seq_len, self.micro_batch, self.global_batch = int(seq_len), int(micro_batch), int(global_batch)
+        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
+        self.accum_steps = global_batch // (micro_batch * world_size)
+        import torch
+
+        self.device = torch.device(device)
+        self.order_fn = order_fn
+        self._num_windows = []
+        for s in self.sources:
+            n = (s.num_tokens - 1) // self.seq_len
+            if n < 1:
+                raise DataError(f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}")
+            self._num_windows.append(n)
+        self._weights = _blend_weights(weights, len(self.sources))
+        D = math.lcm(*(w.denominator for w in self._weights))
+        self._shares = [int(w * D) for w in self._weights], D  # weight k == a[k] / D exactly
+        # The state: global samples consumed by all ranks together, and how many came from each source.
+        self._consumed, self._counts = 0, (0,) * len(self.sources)
+        self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two epochs kept)
+        self._epoch_starts = [[0] for _ in self.sources]  # per source, with order_fn: first sample of each epoch
+        self.prefetch = prefetch
+        self._thread = None
+
+    # --- the public face
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.prefetch:
+            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
+            return x, y
+        if self._thread is None:
+            self._start_prefetch()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        x, y, self._consumed, self._counts = item
+        return x, y
+
+    @property
+    def consumed(self) -> int:
+        """Global samples (sequences) taken so far by all ranks together."""
+        return self._consumed
+
+    @property
+    def epochs(self) -> list:
+        """Per source, the epoch its next sample comes from."""
+        return [int(self._locate(k, np.array([c]))[0][0]) for k, c in enumerate(self._counts)]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first source's next sample (for a single source: the epoch)."""
+        return self.epochs[0]
+
+    def state_dict(self) -> dict:
+        return {
+            "consumed": self._consumed, "source_consumed": list(self._counts), "global_batch": self.global_batch,
+            "seq_len": self.seq_len, "seed": self.seed, "weights": [str(w) for w in self._weights],
+        }
+
+    def load_state_dict(self, state: dict):
+        want = {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
+                "weights": [str(w) for w in self._weights]}
+        for key, mine in want.items():
+            if key not in state:
+                raise DataError(f"loader state: expected a {key!r} entry, found keys {sorted(state)}")
+            if state[key] != mine:
+                raise DataError(
+                    f"loader state: saved with {key} = {state[key]}, but this run has {key} = {mine}; the sample "
+                    f"sequence depends on it, so a resume must keep it (or start a fresh run)"
+                )
+        consumed, counts = int(state["consumed"]), tuple(int(c) for c in state["source_consumed"])
+        if len(counts) != len(self.sources) or sum(counts) != consumed:
+            raise DataError(
+                f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, found {list(counts)}"
+            )
+        step = self.micro_batch * self.world_size
+        if (consumed % self.global_batch) % step:
+            raise DataError(
+                f"loader state: saved {consumed % self.global_batch} samples into an optimizer step, which is not a "
+                f"whole number of micro_batch x world_size = {step} samples; resume from a step boundary"
+            )
+        self._stop_prefetch()
+        self._consumed, self._counts = consumed, counts
+
+    def close(self):
+        """Stop the prefetch thread, if any."""
+        self._stop_prefetch()
+
+    # --- one micro-batch, as a pure function of the state
+
+    def _build(self, consumed, counts):
+        B, L = self.micro_batch, self.seq_len
+        src, idx, counts = self._assign(consumed, counts)
+        x, y = self._empty_pair()
+        if len(self.sources) == 1:
+            self._fill(x, y, self.sources[0].windows(self._window_ids(0, idx), L))
+        else:
+            for k in np.unique(src).tolist():
+                rows = np.flatnonzero(src == k)
+                g = self.sources[k].windows(self._window_ids(k, idx[rows]), L)
+                x[rows], y[rows] = g[:, :-1], g[:, 1:]
+        return *self._to_device(x, y), consumed + B * self.world_size, counts
+
+    def _assign(self, consumed, counts):
+        """Source and per-source sample index of this rank's B samples of the micro-step starting at global
+        sample `consumed`, and the per-source counts after the whole micro-step (all ranks)."""
+        B, n = self.micro_batch, self.micro_batch * self.world_size
+        lo = self.rank * B
+        if len(self.sources) == 1:
+            return None, counts[0] + lo + np.arange(B), (counts[0] + n,)
+        # Earliest deadline first among the sources not ahead of their share, in exact integer arithmetic:
+        # weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) * a[k] / D, and its next
+        # sample's deadline is (c[k] + 1) / a[k]. This keeps every prefix within one sample of its share.
+        a, D = self._shares
+        c = list(counts)
+        src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
+        for i in range(n):
+            g = consumed + i
+            best = -1
+            for k in range(len(c)):
+                if c[k] * D < (g + 1) * a[k] and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
+                    best = k
+            if lo <= i < lo + B:
+                src[i - lo], idx[i - lo] = best, c[best]
+            c[best] += 1
+        return src, idx, tuple(c)
+
+    def _window_ids(self, k, idx):
+        """Window ids of source k's samples `idx` (ascending)."""
+        epochs, pos = self._locate(k, idx)
+        if epochs[0] == epochs[-1]:
+            return self._order(k, int(epochs[0]))[pos]
+        out = np.empty(len(idx), np.int64)
+        for e in np.unique(epochs).tolist():
+            m = epochs == e
+            out[m] = self._order(k, e)[pos[m]]
+        return out
+
+    def _locate(self, k, idx):
+        """(epoch, position in that epoch's order) of source k's samples `idx`."""
+        if self.order_fn is None:
+            return idx // self._num_windows[k], idx % self._num_windows[k]
+        starts = self._epoch_starts[k]
+        while starts[-1] <= idx.max():  # epoch lengths are known only by computing their orders
+            starts.append(starts[-1] + len(self._order(k, len(starts) - 1)))
+        e = np.searchsorted(starts, idx, side="right") - 1
+        return e, idx - np.asarray(starts)[e]
+
+    def _order(self, k, epoch):
+        """Source k's window order for `epoch`: a pure function of (seed, k, epoch) and order_fn."""
+        cache = self._orders[k]
+        if epoch not in cache:
+            W = self._num_windows[k]
+            order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # (W,)
+            np.random.default_rng([self.seed, k, epoch]).shuffle(order)
+            if self.order_fn is not None:
+                order = _check_order(self.order_fn(epoch, order), W, epoch)
+            while len(cache) >= 2:
+                cache.pop(min(cache))
+            cache[epoch] = order
+        return cache[epoch]
+
+    def _empty_pair(self):
+        import torch
+
+        shape = (self.micro_batch, self.seq_len)
+        if self.device.type != "cuda":
+            return np.empty(shape, np.int64), np.empty(shape, np.int64)
+        # Pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True).
+        x = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+        y = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+        return x.numpy(), y.numpy()  # numpy views of the pinned tensors, filled in place
+
+    @staticmethod
+    def _fill(x, y, g):
+        # g: (B, L + 1) in the source dtype; converting straight into x and y is the only copy of the tokens
+        x[...] = g[:, :-1]
+        y[...] = g[:, 1:]
+
+    def _to_device(self, x, y):
+        import torch
+
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        if self.device.type != "cpu":
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+        return x, y
+
+    # --- prefetch: a thread builds micro-batches ahead; each carries the state after it
+
+    def _start_prefetch(self):
+        self._queue, self._stop = queue.Queue(maxsize=2), threading.Event()
+        self._thread = threading.Thread(target=self._prefetch_loop, args=(self._consumed, self._counts), daemon=True)
+        self._thread.start()
+
+    def _prefetch_loop(self, consumed, counts):
+        try:
+            while not self._stop.is_set():
+                item = self._build(consumed, counts)
+                consumed, counts = item[2], item[3]
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._queue.put(e)
+
+    def _stop_prefetch(self):
+        if self._thread is None:
+            return
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                self._thread.join(0.05)
+        self._thread = None
+
+
+def _blend_weights(weights, n):
+    if weights is None:
+        weights = [1] * n
+    if len(weights) != n:
+        raise DataError(f"Batches: expected {n} weights, one per source, found {len(weights)}")
+    try:
+        ws = [Fraction(str(w)) for w in weights]  # "0.7" -> 7/10 exactly
+    except (ValueError, ZeroDivisionError):
+        raise DataError(f"Batches: expected numeric weights, found {list(weights)}")
+    if any(w <= 0 for w in ws):
+        raise DataError(f"Batches: expected positive weights, found {list(weights)}")
+    return [w / sum(ws) for w in ws]
+
+
+def _check_order(order, num_windows, epoch):
+    order = np.asarray(order)
+    if order.ndim != 1 or order.dtype.kind not in "iu" or len(order) == 0:
+        raise DataError(
+            f"order_fn: expected a non-empty 1-D integer array of window ids for epoch {epoch}, "
+            f"found {order.dtype} with shape {order.shape}"
+        )
+    if order.min() < 0 or order.max() >= num_windows:
+        raise DataError(f"order_fn: expected window ids in [0, {num_windows}) for epoch {epoch}, found {order.min()}..{order.max()}")
+    return order
+
+
+# -----------------------------------------------------------------------------
+# validation
+
+
+def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1, device="cpu"):
+    """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the same at
+    every call.
+
+    The source has (num_tokens - 1) // seq_len windows. The batches are windows [0, micro_batch), [micro_batch,
+    2 * micro_batch), ... up to `num_batches` of them, or as many full batches as exist; a source with fewer
+    windows than one micro_batch gives a single smaller batch, and one with no window at all is a DataError.
+    Batch j goes to rank j % world_size, so the ranks together cover exactly the windows of world_size=1 (a rank
+    may get one batch fewer than another, or none: sum losses and counts across ranks, not per-rank means).
+    """
+    windows = (source.num_tokens - 1) // seq_len
+    if windows < 1:
+        raise DataError(
+            f"{source.path}: expected at least seq_len + 1 = {seq_len + 1} validation tokens, found {source.num_tokens}"
+        )
+    n = min(num_batches * micro_batch, windows)
+    bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
+    import torch
+
+    pin = torch.device(device).type == "cuda"
+    for j in range(rank, len(bounds), world_size):
+        g = source.windows(np.arange(*bounds[j]), seq_len)  # (b, L + 1)
+        x = torch.from_numpy(g[:, :-1].astype(np.int64))
+        y = torch.from_numpy(g[:, 1:].astype(np.int64))
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        yield x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
