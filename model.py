@@ -1,0 +1,302 @@
+"""The Mamba-3 language model (SISO): config and presets, the mixer, SwiGLU MLP, pre-norm blocks, the tied LM
+head, recurrent decoding and a FLOPs count. MAMBA3.md §1, §3 and §4 are the specification; the scan itself
+lives in kernels.py.
+
+    model = Mamba3LM(PRESETS["small"])
+    logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import kernels
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50257  # the real vocabulary; padded to a multiple of 64 inside the model
+    n_layer: int = 12
+    d_model: int = 768
+    expand: int = 2  # d_inner = expand * d_model
+    headdim: int = 64  # P
+    d_state: int = 128  # N
+    ngroups: int = 1  # G: B and C are shared by the heads of a group
+    rope_fraction: float = 0.5  # the share of state dims rotated by the data-dependent angles
+    mlp_hidden: int = 1536  # SwiGLU hidden size; 0 drops the MLP
+    chunk_size: int = 64  # the scan's chunk length C
+    A_floor: float = 1e-4
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    dt_init_floor: float = 1e-4
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.d_inner % self.headdim:
+            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} is not a multiple of headdim {self.headdim}")
+        if self.n_heads % self.ngroups:
+            raise ValueError(f"{self.n_heads} heads cannot be split into {self.ngroups} groups")
+        if self.vocab_size < 1 or self.n_layer < 1:
+            raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} and {self.n_layer}")
+
+    @property
+    def d_inner(self):
+        return self.expand * self.d_model
+
+    @property
+    def n_heads(self):
+        return self.d_inner // self.headdim
+
+    @property
+    def n_angles(self):  # S: rotated pairs of state dims
+        return int(self.d_state * self.rope_fraction / 2)
+
+    @property
+    def padded_vocab(self):
+        return -(-self.vocab_size // 64) * 64
+
+
+# Paper size classes (MAMBA3.md §4) plus two CPU-sized ones. vocab_size is GPT-2's here; train.py sets it from
+# the data. Peak learning rates for the recipe live in train.py.
+PRESETS = {
+    "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128, chunk_size=16),
+    "small": ModelConfig(n_layer=4, d_model=256, headdim=32, d_state=32, mlp_hidden=512, chunk_size=64),
+    "180m": ModelConfig(n_layer=12, d_model=768, mlp_hidden=1536),
+    "440m": ModelConfig(n_layer=24, d_model=1024, mlp_hidden=2048),
+    "880m": ModelConfig(n_layer=24, d_model=1536, mlp_hidden=3072),
+    "1.5b": ModelConfig(n_layer=24, d_model=2048, mlp_hidden=4096),
+}
+
+
+def _f32(t):
+    # dt, A, the angles and the phases are computed in float32 (or float64 when the whole model is)
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def rotate(v, phi):
+    """Rotate adjacent pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest passes."""
+    S = phi.shape[-1]
+    v0, v1, rest = v[..., 0:2 * S:2], v[..., 1:2 * S:2], v[..., 2 * S:]
+    cos, sin = phi.cos(), phi.sin()
+    rotated = torch.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1)
+
+
+class Mamba3Mixer(nn.Module):
+    """One Mamba-3 SISO layer (MAMBA3.md §1): in_proj, data-dependent dt / A / trapezoid / rotary angles, the
+    scan, the D skip, the silu(z) gate and out_proj."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, N, G, S = cfg.n_heads, cfg.d_state, cfg.ngroups, cfg.n_angles
+        # z | x | B | C | dd_dt | dd_A | trap | angle
+        self.split = [cfg.d_inner, cfg.d_inner, G * N, G * N, H, H, H, S]
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=False)
+        # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales across heads
+        dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max))).clamp(min=cfg.dt_init_floor)
+        self.dt_bias = nn.Parameter(dt0 + torch.log(-torch.expm1(-dt0)))
+        self.B_norm_weight = nn.Parameter(torch.ones(N))
+        self.C_norm_weight = nn.Parameter(torch.ones(N))
+        self.B_bias = nn.Parameter(torch.ones(H, N))  # ones, not zeros: the paper's ablations
+        self.C_bias = nn.Parameter(torch.ones(H, N))
+        self.D = nn.Parameter(torch.ones(H))
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=False)
+
+    def forward(self, u, cache=None, impl="auto"):
+        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache) the scan starts
+        from the cached state and leaves its final state there: prefill, and the decode step with L = 1."""
+        cfg = self.cfg
+        Bsz, L, _ = u.shape
+        H, P, N, G = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups
+        z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(self.in_proj(u), self.split, dim=-1)
+
+        dt = F.softplus(_f32(dd_dt) + self.dt_bias)  # (B, L, H)
+        dd_A = _f32(dd_A)
+        # A = -max(f(dd_A), A_floor) with the heavy-tailed f(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0)
+        f = torch.where(dd_A >= 0, 1 + dd_A, 1 / (1 - dd_A.clamp(max=0)))
+        log_a = -f.clamp(min=cfg.A_floor) * dt  # (B, L, H), < 0
+        lam = torch.sigmoid(_f32(trap))
+        gamma, beta = lam * dt, (1 - lam) * dt
+        # data-dependent rotary phases, accumulated per head: Phi_t = (Phi_{t-1} + theta_t dt_t) mod 2 pi
+        theta = math.pi * torch.tanh(_f32(angle))  # (B, L, S)
+        phi = torch.cumsum(theta[:, :, None, :] * dt[..., None], dim=1)  # (B, L, H, S)
+        if cache is not None:
+            phi = phi + cache["phi"][:, None]
+        phi = torch.remainder(phi, 2 * math.pi)
+
+        # B and C: RMS-normalised per group, shared by the group's heads, plus per-head biases, then rotated
+        Bn = F.rms_norm(Bm.view(Bsz, L, G, N), (N,), self.B_norm_weight, cfg.norm_eps).repeat_interleave(H // G, dim=2)
+        Cn = F.rms_norm(Cm.view(Bsz, L, G, N), (N,), self.C_norm_weight, cfg.norm_eps).repeat_interleave(H // G, dim=2)
+        k = rotate(_f32(Bn + self.B_bias), phi).to(x.dtype)  # (B, L, H, N)
+        q = rotate(_f32(Cn + self.C_bias), phi).to(x.dtype)
+        x = x.view(Bsz, L, H, P)
+
+        state = None if cache is None else (cache["S"], cache["k_prev"], cache["x_prev"])
+        y, (S, k_prev, x_prev) = kernels.ssd(x, q, k, log_a, gamma, beta, state, cfg.chunk_size, impl)
+        if cache is not None:  # in place, so the caller's cache object moves forward
+            for name, value in (("phi", phi[:, -1]), ("S", S), ("k_prev", k_prev), ("x_prev", x_prev)):
+                cache[name].copy_(value)
+        y = y + self.D[:, None].to(y.dtype) * x
+        return self.out_proj((y.reshape(Bsz, L, -1) * F.silu(z)).to(u.dtype))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.down = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    def forward(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, h):
+        return F.rms_norm(h, (h.shape[-1],), self.weight, self.eps)
+
+
+class Block(nn.Module):
+    """h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba3Mixer(cfg)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
+        self.mlp = SwiGLU(cfg) if cfg.mlp_hidden else None
+
+    def forward(self, h, cache=None, impl="auto"):
+        h = h + self.mixer(self.norm1(h), cache, impl)
+        if self.mlp is not None:
+            h = h + self.mlp(self.norm2(h))
+        return h
+
+
+class Mamba3LM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.grad_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more compute
+        self.embed = nn.Embedding(config.padded_vocab, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied: one tensor, two uses
+        # init (MAMBA3.md §4): embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
+        # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the stream's
+        # variance does not grow with depth (two residual writes per block)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        for block in self.blocks:
+            for proj in (block.mixer.out_proj, block.mlp.down if block.mlp is not None else None):
+                if proj is not None:
+                    with torch.no_grad():
+                        proj.weight.mul_(1 / math.sqrt(2 * config.n_layer))
+
+    def num_params(self):
+        """Parameters, the tied embedding / LM head counted once (padded vocabulary rows included)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def param_groups(self, weight_decay):
+        """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on dt_bias, D,
+        norm weights and the B/C biases (MAMBA3.md §1)."""
+        decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        no_decay = [p for p in self.parameters() if id(p) not in decay]
+        return [{"params": list(decay.values()), "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every matmul (the LM
+        head included, the embedding lookup not), plus the scan's matmuls per chunk of C tokens: Q K^T and
+        M X (2C(N+P) per token and head) and the state in and out (4PN)."""
+        cfg = self.config
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        C = min(cfg.chunk_size, seq_len)
+        P, N = cfg.headdim, cfg.d_state
+        scan = cfg.n_layer * cfg.n_heads * (2 * C * (N + P) + 4 * P * N)
+        return 6 * matmul_params + 3 * scan
+
+    def hidden(self, idx, cache=None, impl="auto"):
+        """idx (B, L) -> final-normed hidden states (B, L, d_model)."""
+        h = self.embed(idx)
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache[i]
+            if self.grad_checkpointing and torch.is_grad_enabled() and cache is None:
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h, layer_cache, impl)
+        return self.norm_f(h)
+
+    def logits(self, h):
+        return self.lm_head(h)[..., : self.config.vocab_size]  # padded rows are never predicted
+
+    def forward(self, idx, targets=None):
+        """idx (B, L) int64 -> (logits (B, L, vocab_size), loss or None). Targets equal to -1 are ignored."""
+        logits = self.logits(self.hidden(idx))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    # --- recurrent decoding (MAMBA3.md §3) ---
+
+    def init_cache(self, batch_size):
+        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N) and x (B, H, P).
+        Phi and S are float32 (float64 for a float64 model)."""
+        cfg = self.config
+        p = self.embed.weight
+        fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+        B, H, P, N, S = batch_size, cfg.n_heads, cfg.headdim, cfg.d_state, cfg.n_angles
+        return [dict(phi=torch.zeros(B, H, S, dtype=fdt, device=p.device),
+                     S=torch.zeros(B, H, P, N, dtype=fdt, device=p.device),
+                     k_prev=torch.zeros(B, H, N, dtype=p.dtype, device=p.device),
+                     x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device)) for _ in range(cfg.n_layer)]
+
+    @torch.no_grad()
+    def prefill(self, idx, cache):
+        """Run idx (B, L) through the chunked scan from the cache's state; returns the last position's logits."""
+        return self.logits(self.hidden(idx, cache)[:, -1])
+
+    @torch.no_grad()
+    def step(self, tokens, cache):
+        """One token per sequence, tokens (B,) -> logits (B, vocab_size); O(1) work, the cache updated in place."""
+        return self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Yield (B,) tokens one at a time: prefill idx (B, L) with the chunked scan, then decode recurrently.
+        temperature 0 means greedy."""
+        cache = self.init_cache(idx.shape[0])
+        logits = self.prefill(idx, cache)
+        for i in range(max_new_tokens):
+            token = sample_next(logits, temperature, top_k, generator)
+            yield token
+            if i + 1 < max_new_tokens:
+                logits = self.step(token, cache)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """idx (B, L) -> (B, L + max_new_tokens)."""
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, generator))
+        return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """logits (B, V) -> (B,) int64: greedy at temperature 0, else softmax sampling over the top_k."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
