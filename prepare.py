@@ -1,0 +1,721 @@
+"""Turn text into the token shards data.py reads (DESIGN §2.1, §3).
+
+    python prepare.py                                      # demo corpus: Python's own stdlib sources -> data/demo
+    python prepare.py corpus/ extra.jsonl.gz --out data/mine --tokenizer gpt2
+    python prepare.py verify data/mine                     # re-hash and range-check every shard
+    python prepare.py info data/mine                       # statistics and a decoded sample
+
+Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py files (one file is
+one document) and .jsonl files (one line is one document: its "text" field), each optionally gzipped. Every
+document is followed by the tokenizer's EOS id. Documents go, in input order, to the validation split when
+ceil(n * f) grows at document n (so the first document, and then every 1/f-th, when f > 0), else to train;
+each split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in --workers
+processes; results come back in input order, so the output is byte-identical for any worker count.
+
+The output is built in a hidden sibling directory (shards fsynced and renamed, manifest.json last) and swapped
+into place only when complete, so a failure or a kill never leaves a half-written directory that looks valid,
+and never touches a previous output.
+"""
+import gzip
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from collections import deque
+from contextlib import closing
+from fractions import Fraction
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from data import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, open_tokens, read_manifest
+
+DEMO_OUT = Path("data/demo")
+EOS_TEXT = "<|endoftext|>"
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in tokenizer files
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+BATCH_BYTES = 1 << 20  # text per task sent to a worker: large enough to amortise the inter-process copy
+
+# -----------------------------------------------------------------------------
+# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(list[int]) -> str,
+# eos_id, vocab_size and spec (JSON-serialisable; load_tokenizer(spec) rebuilds the same tokenizer)
+
+
+class ByteTokenizer:
+    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a CPU."""
+
+    spec = {"name": "byte"}
+    vocab_size, eos_id = 257, 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8", "replace"))
+
+    def encode_array(self, text):
+        return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
+
+    def decode(self, ids):
+        out = bytearray()
+        for i in ids:
+            if i == self.eos_id:
+                out += EOS_TEXT.encode()
+            elif 0 <= i < 256:
+                out.append(i)
+            else:
+                raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
+        return out.decode("utf-8", "replace")
+
+
+class GPT2Tokenizer:
+    """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
+
+    tiktoken downloads its BPE file on first use into TIKTOKEN_CACHE_DIR (or a temp dir); offline, put a copy
+    there under the name 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (see ../shared/tokenizers/README.md).
+    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
+    """
+
+    spec = {"name": "gpt2"}
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self._enc = tiktoken.get_encoding("r50k_base")
+        except Exception as e:  # a download failure surfaces as one of many network error types
+            raise DataError(
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. tiktoken "
+                "downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a directory holding a copy "
+                "named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte"
+            ) from None
+        self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
+
+    def encode(self, text):
+        return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text):
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        return self._enc.decode(list(ids))
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first of
+    EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
+
+    def __init__(self, path, spec):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip install tokenizers")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it cannot load ({e})")
+        self._tok.encode_special_tokens = True
+        names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
+        found = [(n, self._tok.token_to_id(n)) for n in names if self._tok.token_to_id(n) is not None]
+        if not found:
+            raise DataError(
+                f"{path}: expected an end-of-document token ({', '.join(names)}), found none; "
+                "name the one it has with --eos-token"
+            )
+        eos_token, self.eos_id = found[0]
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.spec = {**spec, "eos_token": eos_token}
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text):
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(spec: dict, directory=None):
+    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file", "file":
+    "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a prepared data directory
+    or a checkpoint directory). A file whose hash differs from the spec's is refused."""
+    name = spec.get("name") if isinstance(spec, dict) else None
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "file":
+        path = Path(directory or ".") / spec["file"]
+        if not path.is_file():
+            raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
+        if spec.get("sha256") and _sha256(path) != spec["sha256"]:
+            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), found another file")
+        return FileTokenizer(path, spec)
+    raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+
+
+def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
+    """--tokenizer gpt2|byte|PATH -> (tokenizer, path of a file to copy into the output, or None)."""
+    if flag in ("byte", "gpt2"):
+        if eos_token:
+            raise DataError(f"--eos-token is for tokenizer files; the {flag} tokenizer has its EOS built in")
+        return load_tokenizer({"name": flag}), None
+    path = Path(flag)
+    if not path.is_file():
+        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found {flag!r} (no such file)")
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": _sha256(path), "eos_token": eos_token}
+    return FileTokenizer(path, spec), path
+
+
+def _sha256(path, chunk=1 << 24):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# inputs: which files, and the documents in them
+
+
+def _kind(path: Path):
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    return "text" if name.endswith(TEXT_SUFFIXES) else None
+
+
+def find_inputs(paths) -> list:
+    """Input files in a deterministic order: each path in turn; a directory's files (hidden directories
+    skipped) sorted by their path inside it."""
+    files = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise DataError(f"{p}: no such file or directory")
+        if p.is_file():
+            if _kind(p) is None:
+                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz), found {p.suffix or 'no suffix'}")
+            files.append(p)
+            continue
+        found = []
+        for root, dirs, names in os.walk(p):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            found += [Path(root) / n for n in names if _kind(Path(n)) is not None]
+        files += sorted(found, key=lambda f: f.relative_to(p).parts)
+    files = list(dict.fromkeys(files))  # a file named twice is read once
+    if not files:
+        raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, .py or .jsonl files")
+    return files
+
+
+def demo_inputs(root=None) -> list:
+    """The demo corpus: every .py file of the Python standard library (or of `root`), without its test suites
+    and installed packages, sorted by path."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = sorted(
+        (f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])),
+        key=lambda f: f.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DataError(f"{root}: expected the Python standard library's .py files, found none (a zipped stdlib?)")
+    return files
+
+
+def read_documents(files):
+    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file or line at a time."""
+    for i, f in enumerate(files):
+        opener = gzip.open if f.name.endswith(".gz") else open
+        try:
+            with opener(f, "rb") as fh:
+                if _kind(f) == "text":
+                    yield "text", fh.read(), (i, 0)
+                    continue
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():  # blank lines (a trailing newline, say) are not documents
+                        yield "jsonl", line, (i, lineno)
+        except (OSError, EOFError) as e:  # unreadable file, corrupt gzip stream
+            raise DataError(f"{f}: could not read it ({e})") from None
+
+
+def _batched(documents):
+    items, origins, size = [], [], 0
+    for kind, raw, origin in documents:
+        items.append((kind, raw))
+        origins.append(origin)
+        size += len(raw)
+        if size >= BATCH_BYTES:
+            yield items, origins
+            items, origins, size = [], [], 0
+    if items:
+        yield items, origins
+
+
+# -----------------------------------------------------------------------------
+# tokenization, in worker processes
+
+_TOKENIZER = None  # set in each worker (and in this process when --workers 1)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _init_worker(spec, directory):
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(spec, directory)
+
+
+def _decode(raw: bytes):
+    """UTF-8 text and the number of undecodable byte sequences replaced by U+FFFD."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")
+        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
+
+
+def _encode_batch(items, dtype):
+    """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for an empty
+    document, which is skipped, undecodable count, None or (item index, error message))."""
+    tok = _TOKENIZER
+    eos = np.array([tok.eos_id], dtype=dtype)
+    pieces, lengths, bad = [], [], 0
+    for i, (kind, raw) in enumerate(items):
+        text, n_bad = _decode(raw)
+        if kind == "jsonl":
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                return None, None, bad, (i, f"expected one JSON object per line, found invalid JSON ({e})")
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                found = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
+                return None, None, bad, (i, f'expected a JSON object with a string "text" field, found {found}')
+            text = obj["text"]
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes cannot be UTF-8
+                text, n = _SURROGATE.subn("\ufffd", text)
+                n_bad += n
+        bad += n_bad
+        if not text:
+            lengths.append(0)
+            continue
+        ids = tok.encode_array(text)
+        pieces += [ids.astype(dtype, copy=False), eos]
+        lengths.append(len(ids) + 1)
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
+    return tokens, np.asarray(lengths, dtype=np.int64), bad, None
+
+
+def _encoded(files, dtype, pool, workers):
+    """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order, with at most
+    2 x workers batches in flight, so memory stays bounded whatever the corpus size. No pool: this process."""
+    batches = _batched(read_documents(files))
+    if pool is None:
+        for items, origins in batches:
+            yield origins, *_encode_batch(items, dtype)
+        return
+    pending = deque()
+    for items, origins in batches:
+        pending.append((origins, pool.apply_async(_encode_batch, (items, dtype))))
+        if len(pending) >= 2 * workers:
+            origins, result = pending.popleft()
+            yield origins, *result.get()
+    while pending:
+        origins, result = pending.popleft()
+        yield origins, *result.get()
+
+
+# -----------------------------------------------------------------------------
+# writing shards, atomically
+
+
+class ShardWriter:
+    """One split's shards: whole documents appended in order, a new shard when the next document would
+    overflow --shard-tokens (a document larger than that gets a shard of its own). Each shard is written to
+    a temporary name, fsynced, then renamed; `shards` collects the manifest entries."""
+
+    def __init__(self, directory: Path, split: str, dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, np.dtype(dtype), shard_tokens
+        self.shards, self._f = [], None
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray):
+        """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes (all > 0)."""
+        ends = np.cumsum(lengths)  # (D,) where each document ends in `tokens`
+        i = 0
+        while i < len(lengths):
+            if self._f is None:
+                self._open()
+            begin = int(ends[i - 1]) if i else 0
+            j = int(np.searchsorted(ends, begin + self.shard_tokens - self._tokens, side="right"))  # docs i..j-1 fit
+            if j == i:
+                if self._tokens:
+                    self._close()
+                    continue
+                j = i + 1
+            chunk = tokens[begin : int(ends[j - 1])]
+            self._f.write(chunk.data)
+            self._hash.update(chunk.data)
+            self._max = max(self._max, int(chunk.max()))
+            self._tokens += len(chunk)
+            self._docs += j - i
+            i = j
+            if i < len(lengths):
+                self._close()
+
+    def close(self):
+        if self._f is not None:
+            self._close()
+
+    def _open(self):
+        self._name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._f = open(self.directory / (self._name + ".tmp"), "wb", buffering=1 << 23)
+        self._hash, self._tokens, self._docs, self._max = hashlib.sha256(), 0, 0, 0
+
+    def _close(self):
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        os.replace(self.directory / (self._name + ".tmp"), self.directory / self._name)
+        self.shards.append({"file": self._name, "tokens": self._tokens, "documents": self._docs,
+                            "max_token_id": self._max, "sha256": self._hash.hexdigest()})
+
+
+def _write_atomic(path: Path, data: bytes):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _split_summary(shards):
+    return {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+            "max_token_id": max((s["max_token_id"] for s in shards), default=0), "shards": shards}
+
+
+def _check_out(out: Path, files, overwrite: bool) -> bool:
+    """Refuse an --out that would lose something; return True when it holds a previous output to replace."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: expected a directory, found a file")
+    resolved = out.resolve()
+    for f in files:
+        if resolved in f.resolve().parents:
+            raise DataError(f"--out {out}: contains the input {f}, and would be replaced; write somewhere else")
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    try:
+        read_manifest(out)
+        return True
+    except DataError:
+        if overwrite:
+            return True
+        raise DataError(
+            f"--out {out}: expected an empty directory or a previous prepare.py output, found other files "
+            f"({', '.join(sorted(p.name for p in out.iterdir())[:5])}...); pick another --out, or pass --overwrite to replace it"
+        ) from None
+
+
+def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=0.0005, workers=None,
+            overwrite=False, eos_token=None, progress=False, log=print) -> dict:
+    """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the manifest.
+
+    All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced only once
+    the new output is complete (see the module doc)."""
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction: expected a fraction in [0, 1), found {val_fraction}")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens: expected a positive number of tokens, found {shard_tokens}")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise DataError(f"--workers: expected at least 1, found {workers}")
+    out = Path(out)
+    tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
+    replacing = _check_out(out, files, overwrite)
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        log(f"note: {stale} is left over from an interrupted prepare.py run; delete it to free the space")
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.
+    worker_spec = {**tok.spec, "file": tok_file.name} if tok_file else tok.spec
+    worker_dir = tok_file.parent if tok_file else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    staging.mkdir()
+    t0 = time.perf_counter()
+    try:
+        f = Fraction(str(val_fraction)).limit_denominator(10**9)
+        stats = _tokenize_into(staging, files, worker_spec, worker_dir, dtype, shard_tokens, f, workers, progress)
+        if stats["train"] == []:
+            raise DataError(
+                f"all {stats['documents']} documents went to the validation split, none is left for training: "
+                "give more documents or a smaller --val-fraction (0 for none)"
+            )
+        if tok_file:
+            _write_atomic(staging / "tokenizer.json", tok_file.read_bytes())
+        manifest = {
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec,
+            "splits": {"train": _split_summary(stats["train"]), "val": _split_summary(stats["val"])},
+            "stats": {"input_files": len(files), "documents": stats["documents"],
+                      "empty_documents_skipped": stats["empty"], "undecodable_replaced": stats["undecodable"],
+                      "val_fraction": val_fraction, "shard_tokens": shard_tokens},
+        }
+        _write_atomic(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        _fsync_dir(staging)
+        if replacing:  # swap: the previous output is removed only once the new one is in place
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(staging, out)
+            _fsync_dir(out.parent)
+            shutil.rmtree(old)
+        else:
+            if out.exists():
+                out.rmdir()  # an empty directory
+            os.rename(staging, out)
+            _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    tokens = train["tokens"] + val["tokens"]
+    log(f"wrote {tokens:,} tokens ({stats['documents']:,} documents) to {out} in {seconds:.1f}s "
+        f"({tokens / seconds:,.0f} tokens/s, {workers} worker{'s' if workers > 1 else ''}): "
+        f"train {train['tokens']:,} tokens in {len(train['shards'])} shards, val {val['tokens']:,} tokens")
+    if stats["undecodable"] or stats["empty"]:
+        log(f"note: replaced {stats['undecodable']:,} undecodable byte sequences with U+FFFD; "
+            f"skipped {stats['empty']:,} empty documents")
+    return manifest
+
+
+def _tokenize_into(directory, files, worker_spec, worker_dir, dtype, shard_tokens, f, workers, show):
+    if workers == 1:
+        _init_worker(worker_spec, worker_dir)
+        return _write_splits(directory, files, dtype, shard_tokens, f, None, 1, show)
+    # The pool starts before the progress bar's refresh thread: forking a process that runs threads is unsafe.
+    with multiprocessing.get_context().Pool(workers, _init_worker, (worker_spec, worker_dir)) as pool:
+        return _write_splits(directory, files, dtype, shard_tokens, f, pool, workers, show)
+
+
+def _write_splits(directory, files, dtype, shard_tokens, f, pool, workers, show):
+    writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
+    docs = empty = undecodable = tokens = 0
+    columns = [TextColumn("[bold]tokenizing"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
+               TextColumn("{task.fields[docs]:,} docs"), TextColumn("{task.fields[tokens]:,} tokens"),
+               TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
+    t0 = time.perf_counter()
+    with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
+            closing(_encoded(files, dtype, pool, workers)) as stream:
+        task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
+        for origins, toks, lengths, bad, error in stream:
+            if error is not None:
+                file_index, lineno = origins[error[0]]
+                raise DataError(f"{files[file_index]}{f':{lineno}' if lineno else ''}: {error[1]}")
+            undecodable += bad
+            empty += int((lengths == 0).sum())
+            lengths = lengths[lengths > 0]
+            is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
+            if is_val.any():
+                val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens belong to validation documents
+                writers["val"].add(toks[val_tokens], lengths[is_val])
+                writers["train"].add(toks[~val_tokens], lengths[~is_val])
+            else:
+                writers["train"].add(toks, lengths)
+            docs += len(lengths)
+            tokens += len(toks)
+            bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
+                       rate=tokens / max(time.perf_counter() - t0, 1e-9))
+    if docs == 0:
+        raise DataError(f"no documents found: the {len(files)} input files hold only empty documents")
+    for w in writers.values():
+        w.close()
+    return {"train": writers["train"].shards, "val": writers["val"].shards, "documents": docs, "empty": empty,
+            "undecodable": undecodable}
+
+
+def _is_val(n, f: Fraction):
+    """Document n (from 0) is a validation document when ceil((n + 1) f) > ceil(n f): every prefix of the
+    corpus then holds exactly ceil(prefix * f) validation documents, the first document among them."""
+    p, q = f.numerator, f.denominator
+    return -((-(n + 1) * p) // q) > -((-n * p) // q)
+
+
+# -----------------------------------------------------------------------------
+# verify and info
+
+
+def verify(directory) -> list:
+    """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS count)
+    and final EOS against the manifest, the split totals, and the tokenizer file. Returns the problems found."""
+    directory = Path(directory)
+    try:
+        m = read_manifest(directory)
+    except DataError as e:
+        return [str(e)]
+    problems, dtype, eos = [], np.dtype(m["dtype"]), m["eos_id"]
+    for split, s in m["splits"].items():
+        for shard in s["shards"]:
+            f = directory / shard["file"]
+            if not f.is_file():
+                problems.append(f"{f}: missing (listed in {MANIFEST})")
+                continue
+            want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
+            if size != want:
+                problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), found {size}")
+                continue
+            sha, top, eos_count, last = _scan_shard(f, dtype, eos)
+            if sha != shard["sha256"]:
+                problems.append(f"{f}: sha256 {sha[:16]}... differs from the manifest's {shard['sha256'][:16]}...: "
+                                "the file changed after prepare.py wrote it")
+            if top != shard["max_token_id"]:
+                problems.append(f"{f}: max token id {top}, the manifest says {shard['max_token_id']}")
+            if top >= m["vocab_size"]:
+                problems.append(f"{f}: token id {top} is outside the vocabulary of {m['vocab_size']}")
+            if eos_count != shard["documents"]:
+                problems.append(f"{f}: {eos_count} EOS tokens, the manifest says {shard['documents']} documents")
+            if last != eos:
+                problems.append(f"{f}: ends with token {last}, not EOS {eos}: a document is cut at the shard end")
+        if s["documents"] != sum(x["documents"] for x in s["shards"]):
+            problems.append(f"{directory / MANIFEST}: split {split} document total disagrees with its shards")
+        if s["shards"] and s["max_token_id"] != max(x["max_token_id"] for x in s["shards"]):
+            problems.append(f"{directory / MANIFEST}: split {split} max_token_id disagrees with its shards")
+    spec = m["tokenizer"]
+    if isinstance(spec, dict) and spec.get("name") == "file":
+        f = directory / spec.get("file", "tokenizer.json")
+        if not f.is_file():
+            problems.append(f"{f}: tokenizer file missing")
+        elif _sha256(f) != spec.get("sha256"):
+            problems.append(f"{f}: sha256 differs from the manifest's tokenizer spec")
+    return problems
+
+
+def _scan_shard(path, dtype, eos, chunk=1 << 24):
+    """sha256, max token id, EOS count and last token of a shard, reading it in bounded chunks."""
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    h, top, count = hashlib.sha256(), 0, 0
+    for i in range(0, len(tokens), chunk):
+        block = np.ascontiguousarray(tokens[i : i + chunk])
+        h.update(block.data)
+        top = max(top, int(block.max()))
+        count += int(np.count_nonzero(block == eos))
+    return h.hexdigest(), top, count, int(tokens[-1]) if len(tokens) else None
+
+
+def info(directory, sample_tokens=300):
+    """(manifest, decoded sample of the first training document, or None when the tokenizer cannot load)."""
+    m = read_manifest(directory)
+    source = open_tokens(directory, "train")
+    ids = source.read(0, min(sample_tokens, source.num_tokens)).tolist()
+    if m["eos_id"] in ids:
+        ids = ids[: ids.index(m["eos_id"]) + 1]
+    try:
+        return m, load_tokenizer(m["tokenizer"], directory).decode(ids)
+    except DataError:
+        return m, None
+
+
+# -----------------------------------------------------------------------------
+# command line: `prepare.py [INPUT ...]`, `prepare.py verify DIR`, `prepare.py info DIR`
+
+console, errors = Console(), Console(stderr=True)
+
+
+def _fail(e):
+    errors.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def main(
+    inputs: Optional[List[Path]] = typer.Argument(
+        None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz). None: the demo corpus, "
+        "Python's standard library sources."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
+    tokenizer: Optional[str] = typer.Option(None, help="gpt2, byte, or a path to a Hugging Face tokenizer.json (default: byte for the demo, gpt2 otherwise)."),
+    shard_tokens: int = typer.Option(50_000_000, help="Tokens per shard, about: documents are never split."),
+    val_fraction: Optional[float] = typer.Option(None, help="Fraction of documents held out for validation, at least one when > 0 (default: 0.01 for the demo, 0.0005 otherwise)."),
+    workers: Optional[int] = typer.Option(None, help="Tokenizer processes (default: all cores)."),
+    eos_token: Optional[str] = typer.Option(None, help="The end-of-document token of a tokenizer file, when it is not one of " + ", ".join(EOS_TOKENS) + "."),
+    overwrite: bool = typer.Option(False, help="Replace an --out that holds something other than a previous output."),
+):
+    """Tokenize text into shards + manifest.json for train.py (DESIGN §2.1).
+
+    Also: `python prepare.py verify DIR` re-hashes and range-checks every shard (exit 0 only when all is well);
+    `python prepare.py info DIR` prints statistics and a decoded sample.
+    """
+    try:
+        if inputs:
+            if out is None:
+                raise DataError("--out: expected an output directory for your INPUT files (only the demo has a default)")
+            files = find_inputs(inputs)
+        else:
+            files = demo_inputs()
+            console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's standard library")
+        prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), shard_tokens,
+                val_fraction if val_fraction is not None else (0.0005 if inputs else 0.01), workers, overwrite,
+                eos_token, progress=True, log=lambda s: console.print(s, markup=False, highlight=False))
+    except (DataError, OSError) as e:
+        _fail(e)
+
+
+def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
+    """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only when all is well."""
+    problems = verify(directory)
+    if problems:
+        errors.print(f"{directory}: {len(problems)} problems", markup=False)
+        for p in problems:
+            errors.print(f"  - {p}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    console.print(f"{directory}: all shards match the manifest", markup=False)
+
+
+def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
+    """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
+    try:
+        m, sample = info(directory)
+    except DataError as e:
+        _fail(e)
+    table = Table(title=f"{directory}", title_justify="left")
+    for c in ("split", "tokens", "documents", "shards", "max token id"):
+        table.add_column(c, justify="left" if c == "split" else "right")
+    for name, s in m["splits"].items():
+        table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])), str(s["max_token_id"]))
+    console.print(table)
+    console.print(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, dtype {m['dtype']}",
+                  markup=False, highlight=False)
+    console.print(f"stats {m.get('stats', {})}", markup=False, highlight=False)
+    console.print("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)", markup=False)
+    if sample is not None:
+        console.print(sample, markup=False, highlight=False)
+
+
+if __name__ == "__main__":
+    # Subcommands are dispatched by hand: a Typer group cannot also take free INPUT paths before them.
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    if command in ("verify", "info"):
+        del sys.argv[1]
+        app = typer.Typer(add_completion=False)
+        app.command()(verify_main if command == "verify" else info_main)
+        app(prog_name=f"prepare.py {command}")
+    else:
+        app = typer.Typer(add_completion=False)
+        app.command()(main)
+        app(prog_name="prepare.py")

@@ -1,0 +1,312 @@
+"""prepare.py end to end: byte, gpt2 and tokenizer-file corpora, shards, splits, hashes, verify, bad input."""
+import gzip
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import prepare
+from data import DataError, Batches, open_tokens
+from prepare import demo_inputs, find_inputs, load_tokenizer, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2_CACHE_NAME = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # tiktoken's cache name for r50k_base
+
+
+def quiet(_):
+    pass
+
+
+def run(inputs, out, tokenizer="byte", **kw):
+    kw = {"shard_tokens": 200, "val_fraction": 0.1, "workers": 1, "log": quiet, **kw}
+    return prepare.prepare(find_inputs(inputs), out, tokenizer, **kw)
+
+
+@pytest.fixture
+def gpt2(tmp_path_factory, monkeypatch):
+    """tiktoken pointed at the local GPT-2 BPE file: no network needed."""
+    env = os.environ.get("MAMBA3_GPT2_TIKTOKEN")
+    src = Path(env) if env else ROOT.parent / "shared" / "tokenizers" / "gpt2.tiktoken"
+    if not src.is_file():
+        pytest.skip(f"no local GPT-2 BPE file at {src} (set MAMBA3_GPT2_TIKTOKEN to one)")
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    shutil.copy(src, cache / GPT2_CACHE_NAME)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    import tiktoken
+
+    return tiktoken.get_encoding("r50k_base")
+
+
+def make_corpus(root: Path):
+    """Write a small corpus of every input kind; return its documents in the documented order (files sorted
+    by path inside the directory; jsonl lines in order; empty documents skipped)."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "é", "漢字", "🙂", "def", "return", "\n", "  ", "<|endoftext|>"]
+    sentence = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
+    files = {
+        "a.txt": "Hello world.\n" + sentence(40),
+        "sub/b.md": "# Title\n\n" + sentence(25),
+        "sub/deeper/c.py": "def f(x):\n    return x + 1\n" * 4,
+        "empty.txt": "",
+    }
+    docs_by_file = {name: [text] if text else [] for name, text in files.items()}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    lines = [sentence(int(rng.integers(1, 60))) for _ in range(40)]
+    (root / "d.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(lines)) + "\n\n")
+    docs_by_file["d.jsonl"] = lines
+    gz = [sentence(int(rng.integers(1, 30))) for _ in range(25)]
+    with gzip.open(root / "e.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps({"text": t}) for t in gz))
+    docs_by_file["e.jsonl.gz"] = gz
+    (root / "latin1.txt").write_bytes("café crème, naïve\n".encode("latin-1"))  # 3 undecodable bytes
+    docs_by_file["latin1.txt"] = ["caf\ufffd cr\ufffdme, na\ufffdve\n"]
+    (root / "ignored.csv").write_text("not,a,document\n")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("hidden directories are skipped")
+    order = sorted(docs_by_file, key=lambda name: Path(name).parts)
+    return [doc for name in order for doc in docs_by_file[name]]
+
+
+def is_val(n, fraction):
+    """The documented rule, computed the slow way."""
+    f = Fraction(str(fraction))
+    return math.ceil((n + 1) * f) > math.ceil(n * f)
+
+
+def read_split(out, manifest, split):
+    dtype = np.dtype(manifest["dtype"])
+    return [np.fromfile(out / s["file"], dtype=dtype) for s in manifest["splits"][split]["shards"]]
+
+
+def check_output(out, manifest, expected_docs, fraction, shard_tokens):
+    """Every promise of DESIGN §2.1 about `out`, against the expected per-document token lists (EOS included)."""
+    eos = manifest["eos_id"]
+    for split in ("train", "val"):
+        want = [d for n, d in enumerate(expected_docs) if is_val(n, fraction) == (split == "val")]
+        shards = read_split(out, manifest, split)
+        stream = np.concatenate(shards) if shards else np.empty(0, np.int64)
+        np.testing.assert_array_equal(stream, np.concatenate(want) if want else [])
+        summary = manifest["splits"][split]
+        assert summary["tokens"] == len(stream) and summary["documents"] == len(want)
+        for shard, tokens in zip(summary["shards"], shards):
+            assert tokens[-1] == eos  # a shard ends at a document end
+            assert shard["documents"] == int((tokens == eos).sum())  # EOS only ends documents
+            assert shard["tokens"] == len(tokens) and shard["max_token_id"] == int(tokens.max())
+            assert shard["tokens"] <= shard_tokens or shard["documents"] == 1
+            assert shard["sha256"] == hashlib.sha256((out / shard["file"]).read_bytes()).hexdigest()
+    assert len(manifest["splits"]["val"]["shards"]) >= 1
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".tmp") == []
+
+
+# -----------------------------------------------------------------------------
+# end to end
+
+
+def test_byte_corpus_end_to_end(tmp_path):
+    docs = make_corpus(tmp_path / "corpus")
+    manifest = run([tmp_path / "corpus"], tmp_path / "out", "byte", shard_tokens=200, val_fraction=0.1)
+    assert (manifest["dtype"], manifest["vocab_size"], manifest["eos_id"]) == ("uint16", 257, 256)
+    assert manifest["tokenizer"] == {"name": "byte"}
+    expected = [np.array(list(d.encode("utf-8")) + [256]) for d in docs]
+    check_output(tmp_path / "out", manifest, expected, 0.1, 200)
+    assert len(manifest["splits"]["train"]["shards"]) > 3
+    assert manifest["stats"]["undecodable_replaced"] == 3 and manifest["stats"]["empty_documents_skipped"] == 1
+    # what data.py reads is the same stream
+    source = open_tokens(tmp_path / "out", "val")
+    want_val = np.concatenate([e for n, e in enumerate(expected) if is_val(n, 0.1)])
+    np.testing.assert_array_equal(source.read(0, source.num_tokens), want_val)
+    assert source.tokenizer == {"name": "byte"} and source.eos_id == 256
+
+
+def test_gpt2_corpus_equals_direct_tiktoken_and_any_worker_count(gpt2, tmp_path):
+    docs = make_corpus(tmp_path / "corpus")
+    outs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        manifest = run([tmp_path / "corpus"], out, "gpt2", shard_tokens=150, val_fraction=0.05, workers=workers)
+        outs[workers] = out
+    assert (manifest["vocab_size"], manifest["eos_id"], manifest["tokenizer"]) == (50257, 50256, {"name": "gpt2"})
+    expected = [np.array(gpt2.encode_ordinary(d) + [50256]) for d in docs]
+    assert all(50256 not in e[:-1] for e in expected)  # "<|endoftext|>" in a text is plain text
+    check_output(outs[2], manifest, expected, 0.05, 150)
+    files = sorted(p.name for p in outs[1].iterdir())
+    assert files == sorted(p.name for p in outs[2].iterdir())
+    for name in files:  # byte-identical output, manifest included
+        assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes(), name
+    tok = load_tokenizer(manifest["tokenizer"])
+    assert tok.decode(tok.encode(docs[0])) == docs[0]
+
+
+def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    docs = make_corpus(tmp_path / "corpus")
+    t = tokenizers.Tokenizer(tokenizers.models.BPE())
+    t.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(docs, trainer)
+    path = tmp_path / "my-bpe.json"
+    t.save(str(path))
+    manifest = run([tmp_path / "corpus"], tmp_path / "out", str(path), val_fraction=0.1)
+    spec = manifest["tokenizer"]
+    assert spec == {"name": "file", "file": "tokenizer.json", "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                    "eos_token": "<|endoftext|>"}
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == path.read_bytes()
+    tok = load_tokenizer(spec, tmp_path / "out")  # what sample.py does with a checkpoint's spec
+    eos = t.token_to_id("<|endoftext|>")
+    assert tok.eos_id == manifest["eos_id"] == eos
+    t.encode_special_tokens = True
+    expected = [np.array(t.encode(d, add_special_tokens=False).ids + [eos]) for d in docs]
+    check_output(tmp_path / "out", manifest, expected, 0.1, 200)
+    assert verify(tmp_path / "out") == []
+    (tmp_path / "out" / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError, match="tokenizer.json: expected sha256"):
+        load_tokenizer(spec, tmp_path / "out")
+    assert any("tokenizer.json" in p for p in verify(tmp_path / "out"))
+
+
+def test_tokenizer_specs_round_trip():
+    byte = load_tokenizer({"name": "byte"})
+    text = "naïve <|endoftext|> 🙂"
+    assert byte.encode(text) == list(text.encode()) and byte.decode(byte.encode(text) + [256]) == text + "<|endoftext|>"
+    with pytest.raises(DataError, match="byte, gpt2 or file"):
+        load_tokenizer({"name": "sentencepiece"})
+    with pytest.raises(DataError, match="tokenizer file missing"):
+        load_tokenizer({"name": "file", "file": "tokenizer.json", "sha256": "0"}, "/nonexistent")
+
+
+def test_demo_corpus_builds(tmp_path):
+    # The builder's root is an argument: here a small real part of the standard library.
+    root = Path(json.__file__).parent
+    files = demo_inputs(root)
+    assert [f.name for f in files] == sorted(f.name for f in root.glob("*.py"))
+    manifest = prepare.prepare(files, tmp_path / "demo", "byte", val_fraction=0.01, workers=2, log=quiet)
+    expected = [np.array(list(f.read_bytes()) + [256]) for f in files]
+    check_output(tmp_path / "demo", manifest, expected, 0.01, 50_000_000)
+    x, y = next(Batches(open_tokens(tmp_path / "demo"), 64, 4, 4))
+    assert x.shape == (4, 64)
+
+
+@pytest.mark.slow
+def test_demo_cli_builds_the_full_stdlib_corpus(tmp_path):
+    # The quickstart's first command, as a user runs it: no INPUT, output in ./data/demo.
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "demo"
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tokenizer"] == {"name": "byte"} and m["splits"]["train"]["tokens"] > 1_000_000
+    assert m["stats"]["input_files"] == len(demo_inputs())
+    assert m["splits"]["val"]["documents"] == math.ceil(m["stats"]["documents"] * 0.01)
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "info", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0 and "train" in r.stdout and "sample:" in r.stdout, r.stderr
+
+
+# -----------------------------------------------------------------------------
+# verify and info
+
+
+def test_verify_catches_a_flipped_byte_and_a_truncated_shard(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    run([tmp_path / "corpus"], tmp_path / "out")
+    assert verify(tmp_path / "out") == []
+    shard = tmp_path / "out" / "train_00001.bin"
+    good = shard.read_bytes()
+    flipped = bytearray(good)
+    flipped[5] ^= 0x01
+    shard.write_bytes(bytes(flipped))
+    problems = verify(tmp_path / "out")
+    assert any("train_00001.bin: sha256" in p for p in problems), problems
+    cli = [sys.executable, str(ROOT / "prepare.py"), "verify", str(tmp_path / "out")]
+    r = subprocess.run(cli, capture_output=True, text=True)
+    assert r.returncode == 1 and "train_00001.bin: sha256" in r.stderr and "Traceback" not in r.stderr
+    shard.write_bytes(good[:-4])
+    problems = verify(tmp_path / "out")
+    assert problems == [f"{shard}: expected {len(good)} bytes ({len(good) // 2} uint16 tokens), found {len(good) - 4}"]
+    shard.write_bytes(good)
+    assert subprocess.run(cli, capture_output=True).returncode == 0
+
+
+def test_info_decodes_the_first_training_document(tmp_path):
+    docs = make_corpus(tmp_path / "corpus")
+    run([tmp_path / "corpus"], tmp_path / "out", val_fraction=0.0)
+    manifest, sample = prepare.info(tmp_path / "out", sample_tokens=10_000)
+    assert manifest["splits"]["val"]["tokens"] == 0
+    assert sample == docs[0] + "<|endoftext|>"
+
+
+# -----------------------------------------------------------------------------
+# bad input: refused before any work, nothing the user has is lost
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    with pytest.raises(DataError, match="missing: no such file"):
+        find_inputs([tmp_path / "missing"])
+    with pytest.raises(DataError, match=r"ignored.csv: expected a .txt, .md, .py or .jsonl"):
+        find_inputs([tmp_path / "corpus" / "ignored.csv"])
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "x.csv").write_text("1")
+    with pytest.raises(DataError, match="no documents found"):
+        find_inputs([tmp_path / "nothing"])
+    for kw, fragment in [({"val_fraction": 1.5}, "--val-fraction"), ({"shard_tokens": 0}, "--shard-tokens"),
+                         ({"workers": 0}, "--workers")]:
+        with pytest.raises(DataError, match=fragment):
+            run([tmp_path / "corpus"], tmp_path / "o", **kw)
+    with pytest.raises(DataError, match="expected gpt2, byte or a tokenizer.json file"):
+        run([tmp_path / "corpus"], tmp_path / "o", "gtp2")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("a single document")
+    with pytest.raises(DataError, match="none is left for training"):
+        run([tmp_path / "one"], tmp_path / "o", val_fraction=0.5)
+    with pytest.raises(DataError, match="contains the input"):
+        run([tmp_path / "corpus"], tmp_path / "corpus", overwrite=True)
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".o.*")) == []
+
+
+def test_failures_never_touch_existing_output(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    first = run([tmp_path / "corpus"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # A previous complete output is replaced only by a complete new one; a failing run leaves it as it was.
+    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{"text": "fine"}\n{"txt": "oops"}\n')
+    with pytest.raises(DataError, match=r'z.jsonl:3: expected a JSON object with a string "text" field'):
+        run([tmp_path / "corpus"], out, workers=2)
+    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(DataError, match=r"z.jsonl:2: expected one JSON object per line"):
+        run([tmp_path / "corpus"], out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]  # no staging directory left
+    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{"text": "\\ud800 lone surrogate"}\n')
+    second = run([tmp_path / "corpus"], out, shard_tokens=10_000)
+    assert second["splits"]["train"]["tokens"] > first["splits"]["train"]["tokens"]
+    assert second["stats"]["undecodable_replaced"] == 3 + 1 and verify(out) == []
+    # A directory that is not a previous output is refused, untouched, unless --overwrite.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="pass --overwrite"):
+        run([tmp_path / "corpus"], other)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    run([tmp_path / "corpus"], other, overwrite=True)
+    assert "notes.txt" not in {p.name for p in other.iterdir()} and verify(other) == []
+
+
+def test_cli_errors_are_one_clean_paragraph(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "missing" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 1 and "--out" in r.stderr
