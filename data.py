@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+# torch is imported inside the few functions that make tensors: prepare.py shares this file's format
+# helpers, and its commands should start in a fraction of a second, not wait seconds for torch.
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
-# torch is imported inside the few functions that make tensors: prepare.py shares this file's format
-# helpers, and its commands should start in a fraction of a second, not wait seconds for torch.
 FORMATS = (
     "a prepare.py directory (manifest.json), a raw token file such as nanoGPT's train.bin, a nanoGPT data "
     "directory (train.bin, val.bin), a directory of shard_*.bin files, or a Megatron prefix (PREFIX.bin + PREFIX.idx)"
@@ -77,11 +78,14 @@ class TokenSource:
                 # A plain ndarray view: slicing it is several times cheaper than slicing an np.memmap.
                 self._segments.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
         lengths = [len(s) for s in self._segments]
-        self._starts = [0] + list(np.cumsum(lengths, dtype=np.int64).tolist())  # segment k is [starts[k], starts[k+1])
+        self._starts = [0] + np.cumsum(lengths, dtype=np.int64).tolist()  # segment k is [starts[k], starts[k+1])
+        self._starts_array = np.array(self._starts, dtype=np.int64)  # the same, for vectorised lookups
+        self._files = list(zip(self._segments, self._starts, lengths))  # (tokens, first, length) per file
         self.num_tokens = self._starts[-1]
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
         self._strided = {}  # seq_len -> (windows, seq_len + 1) strided view, for single-file sources
+        self._first_windows = {}  # seq_len -> (files + 1,) first window starting in each file
 
     def __repr__(self):
         return f"TokenSource({str(self.path)!r}, {self.num_tokens:,} {self.dtype.name} tokens in {len(self.files)} files)"
@@ -119,8 +123,7 @@ class TokenSource:
 
     def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
         """The tokens of windows `ids`: (len(ids), seq_len + 1) array in the source dtype (see the module doc)."""
-        n = seq_len + 1
-        ids = np.asarray(ids, dtype=np.int64)
+        n, ids = seq_len + 1, np.asarray(ids)
         if len(self._segments) == 1:
             # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
             view = self._strided.get(seq_len)
@@ -131,21 +134,28 @@ class TokenSource:
                 self._strided[seq_len] = view
             return view[ids]  # (B, n)
         out = np.empty((len(ids), n), dtype=self.dtype)  # (B, n)
-        starts = ids * seq_len
-        seg_of = np.searchsorted(self._starts, starts, side="right") - 1
-        for b, (start, k) in enumerate(zip(starts.tolist(), seg_of.tolist())):
-            lo = start - self._starts[k]
-            seg = self._segments[k]
-            if lo + n <= len(seg):
+        # Window w starts in the last file k with starts[k] <= w * seq_len, i.e. ceil(starts[k] / seq_len) <= w:
+        # searching the window ids among those (cached per seq_len) avoids a multiply and a cast per batch.
+        first_windows = self._first_windows.get(seq_len)
+        if first_windows is None:
+            first_windows = self._first_windows[seq_len] = -(-self._starts_array // seq_len)
+        after = np.searchsorted(first_windows, ids, side="right")  # (B,) 1 + the file each window starts in
+        segs = self._segments
+        for b, (w, k) in enumerate(zip(ids.tolist(), after.tolist())):
+            seg, first, length = self._files[k - 1]
+            lo = w * seq_len - first
+            if lo + n <= length:
                 out[b] = seg[lo : lo + n]
-            else:  # the window spans files: copy piece by piece straight into the row
-                row = out[b]
-                done = 0
-                while done < n:
-                    piece = self._segments[k][lo : lo + n - done]
-                    row[done : done + len(piece)] = piece
-                    done += len(piece)
-                    k, lo = k + 1, 0
+                continue
+            h = length - lo  # the window spans files: its head is the tail of this one,
+            out[b, :h] = seg[lo:]
+            if n - h <= len(segs[k]):  # and the next file usually holds the rest
+                out[b, h:] = segs[k][: n - h]
+                continue
+            while h < n:  # else whole files, then the head of another
+                take = min(n - h, len(segs[k]))
+                out[b, h : h + take] = segs[k][:take]
+                h, k = h + take, k + 1
         return out
 
 
@@ -311,10 +321,10 @@ def _open_megatron(prefix, dtype):
     idx, binf = Path(str(prefix) + ".idx"), Path(str(prefix) + ".bin")
     if not binf.exists():
         raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and {binf.name}")
-    raw = idx.read_bytes()
+    raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy it
     if len(raw) < MEGATRON_HEADER.size:
         raise DataError(f"{idx}: expected a {MEGATRON_HEADER.size}-byte header at least, found {len(raw)} bytes")
-    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
+    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(bytes(raw[: MEGATRON_HEADER.size]))
     if magic != MEGATRON_MAGIC:
         raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a Megatron index")
     if version != 1:
@@ -430,7 +440,8 @@ class Batches:
         self.accum_steps = global_batch // (micro_batch * world_size)
         import torch
 
-        self.device = torch.device(device)
+        self._torch, self.device = torch, torch.device(device)
+        self._cuda = self.device.type == "cuda"  # pinned memory and non_blocking copies
         self.order_fn = order_fn
         self._num_windows = []
         for s in self.sources:
@@ -445,6 +456,7 @@ class Batches:
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two epochs kept)
         self._epoch_starts = [[0] for _ in self.sources]  # per source, with order_fn: first sample of each epoch
+        self._lock = threading.Lock()  # the order caches are shared by the prefetch thread and `epochs`
         self.prefetch = prefetch
         self._thread = None
 
@@ -474,7 +486,8 @@ class Batches:
     @property
     def epochs(self) -> list:
         """Per source, the epoch its next sample comes from."""
-        return [int(self._locate(k, np.array([c]))[0][0]) for k, c in enumerate(self._counts)]
+        with self._lock:
+            return [int(self._locate(k, np.array([c]))[0][0]) for k, c in enumerate(self._counts)]
 
     @property
     def epoch(self) -> int:
@@ -520,27 +533,37 @@ class Batches:
 
     def _build(self, consumed, counts):
         B, L = self.micro_batch, self.seq_len
-        src, idx, counts = self._assign(consumed, counts)
-        x, y = self._empty_pair()
+        x, y = self._empty_pair()  # (B, L) int64 each
         if len(self.sources) == 1:
-            self._fill(x, y, self.sources[0].windows(self._window_ids(0, idx), L))
+            with self._lock:
+                ids = self._window_ids(0, counts[0] + self.rank * B, B)  # this rank's slice of the micro-step
+            g = self.sources[0].windows(ids, L)  # (B, L + 1) in the source dtype
+            # converting straight into x and y is the only copy of the tokens
+            x[...] = g[:, :-1]
+            y[...] = g[:, 1:]
+            counts = (counts[0] + B * self.world_size,)
         else:
+            src, first, counts = self._assign(consumed, counts)
             for k in np.unique(src).tolist():
-                rows = np.flatnonzero(src == k)
-                g = self.sources[k].windows(self._window_ids(k, idx[rows]), L)
+                rows = np.flatnonzero(src == k)  # a source's samples in a batch are consecutive in its order
+                with self._lock:
+                    ids = self._window_ids(k, int(first[rows[0]]), len(rows))
+                g = self.sources[k].windows(ids, L)
                 x[rows], y[rows] = g[:, :-1], g[:, 1:]
-        return *self._to_device(x, y), consumed + B * self.world_size, counts
+        x, y = self._torch.from_numpy(x), self._torch.from_numpy(y)
+        if self._cuda:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y, consumed + B * self.world_size, counts
 
     def _assign(self, consumed, counts):
-        """Source and per-source sample index of this rank's B samples of the micro-step starting at global
-        sample `consumed`, and the per-source counts after the whole micro-step (all ranks)."""
+        """Blending: the source and per-source sample index of this rank's B samples of the micro-step that
+        starts at global sample `consumed`, and the per-source counts after the whole micro-step (all ranks)."""
         B, n = self.micro_batch, self.micro_batch * self.world_size
         lo = self.rank * B
-        if len(self.sources) == 1:
-            return None, counts[0] + lo + np.arange(B), (counts[0] + n,)
         # Earliest deadline first among the sources not ahead of their share, in exact integer arithmetic:
         # weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) * a[k] / D, and its next
-        # sample's deadline is (c[k] + 1) / a[k]. This keeps every prefix within one sample of its share.
+        # sample's deadline is (c[k] + 1) / a[k]. This keeps every prefix within one sample of its share (the
+        # simpler "largest deficit first" does not: tests/test_data.py has weights where it strays further).
         a, D = self._shares
         c = list(counts)
         src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
@@ -555,12 +578,14 @@ class Batches:
             c[best] += 1
         return src, idx, tuple(c)
 
-    def _window_ids(self, k, idx):
-        """Window ids of source k's samples `idx` (ascending)."""
-        epochs, pos = self._locate(k, idx)
-        if epochs[0] == epochs[-1]:
-            return self._order(k, int(epochs[0]))[pos]
-        out = np.empty(len(idx), np.int64)
+    def _window_ids(self, k, first, n):
+        """Window ids of source k's samples first, first + 1, ..., first + n - 1."""
+        if self.order_fn is None:
+            e, p = divmod(first, self._num_windows[k])
+            if p + n <= self._num_windows[k]:
+                return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
+        epochs, pos = self._locate(k, np.arange(first, first + n))
+        out = np.empty(n, np.int64)
         for e in np.unique(epochs).tolist():
             m = epochs == e
             out[m] = self._order(k, e)[pos[m]]
@@ -591,30 +616,13 @@ class Batches:
         return cache[epoch]
 
     def _empty_pair(self):
-        import torch
-
         shape = (self.micro_batch, self.seq_len)
-        if self.device.type != "cuda":
+        if not self._cuda:
             return np.empty(shape, np.int64), np.empty(shape, np.int64)
         # Pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True).
-        x = torch.empty(shape, dtype=torch.int64, pin_memory=True)
-        y = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+        x = self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True)
+        y = self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True)
         return x.numpy(), y.numpy()  # numpy views of the pinned tensors, filled in place
-
-    @staticmethod
-    def _fill(x, y, g):
-        # g: (B, L + 1) in the source dtype; converting straight into x and y is the only copy of the tokens
-        x[...] = g[:, :-1]
-        y[...] = g[:, 1:]
-
-    def _to_device(self, x, y):
-        import torch
-
-        x, y = torch.from_numpy(x), torch.from_numpy(y)
-        if self.device.type != "cpu":
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-        return x, y
 
     # --- prefetch: a thread builds micro-batches ahead; each carries the state after it
 

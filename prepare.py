@@ -27,6 +27,7 @@ import shutil
 import sys
 import sysconfig
 import time
+import zlib
 from collections import deque
 from contextlib import closing
 from fractions import Fraction
@@ -225,7 +226,7 @@ def demo_inputs(root=None) -> list:
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = sorted(
         (f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])),
-        key=lambda f: f.relative_to(root).as_posix(),
+        key=lambda f: f.relative_to(root).parts,
     )
     if not files:
         raise DataError(f"{root}: expected the Python standard library's .py files, found none (a zipped stdlib?)")
@@ -244,7 +245,7 @@ def read_documents(files):
                 for lineno, line in enumerate(fh, 1):
                     if line.strip():  # blank lines (a trailing newline, say) are not documents
                         yield "jsonl", line, (i, lineno)
-        except (OSError, EOFError) as e:  # unreadable file, corrupt gzip stream
+        except (OSError, EOFError, zlib.error) as e:  # unreadable file, corrupt gzip stream
             raise DataError(f"{f}: could not read it ({e})") from None
 
 
@@ -484,7 +485,11 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
         if replacing:  # swap: the previous output is removed only once the new one is in place
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
-            os.rename(staging, out)
+            try:
+                os.rename(staging, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
             _fsync_dir(out.parent)
             shutil.rmtree(old)
         else:

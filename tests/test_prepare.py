@@ -265,6 +265,10 @@ def test_bad_inputs_are_clear_errors(tmp_path):
             run([tmp_path / "corpus"], tmp_path / "o", **kw)
     with pytest.raises(DataError, match="expected gpt2, byte or a tokenizer.json file"):
         run([tmp_path / "corpus"], tmp_path / "o", "gtp2")
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:-30] + b"garbage!")
+    with pytest.raises(DataError, match="broken.jsonl.gz: could not read it"):
+        run([tmp_path / "gz"], tmp_path / "o")
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.txt").write_text("a single document")
     with pytest.raises(DataError, match="none is left for training"):
