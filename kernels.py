@@ -543,6 +543,11 @@ def ssd_triton(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
 # dispatch
 
 
+def triton_available():
+    """Whether Triton imported here (on a GPU, or under TRITON_INTERPRET=1 on CPU tensors)."""
+    return triton is not None
+
+
 def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto"):
     """The Mamba-3 scan. Returns y (B, L, H, P) in x's dtype and the final state (S, k_prev, x_prev).
 
@@ -550,7 +555,7 @@ def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto"):
     Triton for CUDA tensors when it imports, else torch. The environment variable MAMBA3_IMPL overrides
     "auto" (handy to A/B the paths without touching code)."""
     if impl == "auto":
-        impl = os.environ.get("MAMBA3_IMPL") or ("triton" if x.is_cuda and triton is not None else "torch")
+        impl = os.environ.get("MAMBA3_IMPL") or ("triton" if x.is_cuda and triton_available() else "torch")
     if impl not in IMPLS[1:]:
         raise ValueError(f"ssd: impl must be one of {IMPLS} (or MAMBA3_IMPL one of {IMPLS[1:]}), got {impl!r}")
     _check_shapes(x, q, k, log_a, gamma, beta)
