@@ -64,7 +64,7 @@ class ModelConfig:
 # the data. Peak learning rates for the recipe live in train.py.
 PRESETS = {
     "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128, chunk_size=16),
-    "small": ModelConfig(n_layer=4, d_model=256, headdim=32, d_state=32, mlp_hidden=512, chunk_size=64),
+    "small": ModelConfig(n_layer=4, d_model=256, headdim=64, d_state=32, mlp_hidden=512, chunk_size=64),
     "180m": ModelConfig(n_layer=12, d_model=768, mlp_hidden=1536),
     "440m": ModelConfig(n_layer=24, d_model=1024, mlp_hidden=2048),
     "880m": ModelConfig(n_layer=24, d_model=1536, mlp_hidden=3072),
