@@ -216,8 +216,256 @@ def kernels(
 # -----------------------------------------------------------------------------
 # bench.py data
 
+
+def _nanogpt_get_batch(path, starts, L):
+    # nanoGPT's train.py get_batch: re-create the memmap every batch, one astype + stack per row
+    import numpy as np
+
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    x = torch.stack([torch.from_numpy(data[i : i + L].astype(np.int64)) for i in starts])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + L].astype(np.int64)) for i in starts])
+    return x, y
+
+
+def _python_lists_batch(shards, shard_starts, starts, L):
+    # a loader that finds each window's shards and stitches them through Python lists
+    import bisect
+
+    rows = []
+    for s in starts:
+        k, toks = bisect.bisect_right(shard_starts, s) - 1, []
+        while len(toks) < L + 1:
+            lo = s + len(toks) - shard_starts[k]
+            toks += shards[k][lo : lo + L + 1 - len(toks)].tolist()
+            k += 1
+        rows.append(toks)
+    return torch.tensor([r[:-1] for r in rows]), torch.tensor([r[1:] for r in rows])
+
+
+def _window_pieces(shards, shard_starts, s, n):
+    """[(shard, lo, hi, column)] covering tokens [s, s + n): the addresses a copy needs, found in advance."""
+    import bisect
+
+    k, done, out = bisect.bisect_right(shard_starts, s) - 1, 0, []
+    while done < n:
+        lo = s + done - shard_starts[k]
+        hi = min(len(shards[k]), lo + n - done)
+        out.append((shards[k], lo, hi, done))
+        done += hi - lo
+        k += 1
+    return out
+
+
+def _copy_windows(pieces, g):
+    # the plain copy of each window's pieces (addresses found in advance) into one (B, L+1) buffer
+    for b, window in enumerate(pieces):
+        for shard, lo, hi, col in window:
+            g[b, col : col + hi - lo] = shard[lo:hi]
+    return g
+
+
+def _bench_loaders(path, files, tokens, L, B, reps, per_call):
+    """Seconds per batch of each loader on the token stream at `path` (one file or a shard directory)."""
+    import numpy as np
+    from numpy.lib.stride_tricks import as_strided
+
+    import data as D
+
+    shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
+    shard_starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
+    source = D.open_tokens(path)
+    # Touch every page through both sets of maps, so that all contenders run in the steady state
+    # (first touches of a fresh map cost a page fault each, whoever makes them).
+    assert max(int(s.max()) for s in shards) == source.max_token_id
+    W = (tokens - 1) // L
+    n = min(W // B, (reps + 2) * per_call)
+
+    def contender(seed, batch_fn, addresses=False):
+        # Each contender gets its own random windows (a permutation, as the loader draws them): windows
+        # another contender has just copied would be cache-warm, and flatter it.
+        order = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)  # (n, B) window ids
+        batches = [(o * L).tolist() for o in order]  # window starts
+        if addresses:  # found in advance, outside the timer
+            batches = [[_window_pieces(shards, shard_starts, s, L + 1) for s in starts] for starts in batches]
+        state = {"i": 0, "order": order, "batches": batches}
+
+        def run():
+            for _ in range(per_call):
+                i = state["i"] = (state["i"] + 1) % n
+                batch_fn(order[i], batches[i])
+
+        return run
+
+    def fresh_pair(w):  # x and y are new every batch: the caller keeps them
+        x, y = np.empty((B, L), np.int64), np.empty((B, L), np.int64)
+        x[...] = w[:, :-1]
+        y[...] = w[:, 1:]
+        return x, y
+
+    g = np.empty((B, L + 1), np.uint16)
+    if len(files) == 1:  # one file: the fastest plain copy is one strided gather of all the rows
+        view = as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
+        limit = contender(1, lambda ids, _: fresh_pair(view[ids]))
+        one_buffer = contender(2, lambda ids, _: view[ids].astype(np.int64))
+    else:  # many files: one slice copy per piece of a window
+        limit = contender(1, lambda _, pieces: fresh_pair(_copy_windows(pieces, g)), addresses=True)
+        one_buffer = contender(2, lambda _, pieces: _copy_windows(pieces, g).astype(np.int64), addresses=True)
+    loader = D.Batches(source, L, B, B, seed=0)
+
+    def batches():  # like a training loop, each batch is dropped before the next is taken
+        for _ in range(per_call):
+            next(loader)
+
+    fns = {"limit": limit, "data.Batches": batches, "one (B, L+1) buffer": one_buffer}
+    # The slow baselines run in a group of their own: their garbage would otherwise land on whoever follows.
+    slow = {"Python lists": contender(3, lambda _, starts: _python_lists_batch(shards, shard_starts, starts, L))}
+    if len(files) == 1:
+        slow["nanoGPT get_batch"] = contender(4, lambda _, starts: _nanogpt_get_batch(files[0], starts, L))
+    times = {**time_interleaved(fns, reps), **time_interleaved(slow, max(3, reps // 10))}
+    return {name: t / per_call for name, t in times.items()}
+
+
+@app.command()
+def data(
+    tokens: int = typer.Option(50_000_000, help="tokens in the synthetic stream (uint16, GPT-2 vocabulary)"),
+    shard_tokens: int = typer.Option(8192, help="tokens per file of the sharded copy of the same stream"),
+    seq_len: int = typer.Option(2048, help="L"),
+    batch: int = typer.Option(16, help="B"),
+    reps: int = typer.Option(60, help="interleaved repetitions per loader"),
+    per_call: int = typer.Option(10, help="batches per timed call"),
+    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="also time prepare.py on the demo corpus"),
+    workdir: str = typer.Option(None, help="where the token files go (default: a temporary directory)"),
+):
+    """Loader tokens/s on random windows, warm page cache, one core, against the limit: the fastest plain
+    NumPy copy of the same windows into the contiguous int64 x and y the loader returns, with every window's
+    address found in advance. Baselines: nanoGPT's get_batch, a loader stitching windows through Python lists,
+    and one (B, L+1) int64 buffer (what a loader returning non-contiguous x, y views would copy). Then prepare.py
+    tokens/s on the demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    torch.set_num_threads(1)
+    B, L = batch, seq_len
+    root = Path(workdir or tempfile.mkdtemp(prefix="bench-data-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
+        single = root / "train.bin"
+        stream.tofile(single)
+        sharded = root / "shards"
+        sharded.mkdir(exist_ok=True)
+        files = []
+        for k, i in enumerate(range(0, tokens, shard_tokens)):
+            files.append(sharded / f"shard_{k:06d}.bin")
+            stream[i : i + shard_tokens].tofile(files[-1])
+        del stream
+        for f in [single] + files:  # warm the page cache
+            f.read_bytes()
+        names = ["limit", "data.Batches", "nanoGPT get_batch", "Python lists", "one (B, L+1) buffer"]
+        rows = []
+        for label, path, fs in [(f"one {tokens / 1e6:g}M-token file", single, [single]),
+                                (f"{len(files):,} files of {shard_tokens:,} tokens", sharded, files)]:
+            t = _bench_loaders(path, fs, tokens, L, B, reps, per_call)
+            for name in names:
+                if name in t:
+                    rows.append([label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
+                                 f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"])
+        print_table(f"data loader  B{B} L{L} random windows, warm page cache, 1 core",
+                    ["stream", "loader", "M tokens/s", "us/batch", "vs limit"], rows)
+        if prepare_corpus:
+            _bench_prepare(root)
+    finally:
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    console.print(f"machine: {machine()}")
+
+
+def _bench_prepare(root):
+    import prepare as P
+    from data import DataError
+
+    files = P.demo_inputs()
+    size = sum(f.stat().st_size for f in files)
+    rows = []
+    for tokenizer in ("byte", "gpt2"):
+        try:
+            P.tokenizer_from_flag(tokenizer)
+        except DataError as e:
+            console.print(f"prepare {tokenizer}: skipped ({str(e).split(':')[0]}; set TIKTOKEN_CACHE_DIR)")
+            continue
+        for workers in (1, 2):
+            best = float("inf")
+            for _ in range(2):  # best of two: the first run also warms the page cache
+                t0 = time.perf_counter()
+                m = P.prepare(files, root / "demo", tokenizer, workers=workers, val_fraction=0.01, log=lambda s: None)
+                best = min(best, time.perf_counter() - t0)
+            n = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+            rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}", f"{size / best / 1e6:.1f}"])
+    print_table(f"prepare.py on the demo corpus ({len(files)} files, {size / 1e6:.1f} MB of Python)",
+                ["tokenizer", "workers", "tokens", "seconds", "M tokens/s", "MB/s"], rows)
+
+
 # -----------------------------------------------------------------------------
 # bench.py ckpt
+
+
+@app.command()
+def ckpt(
+    params: float = typer.Option(100e6, help="parameters of the benchmark model (a stack of 2048x2048 Linear layers)"),
+    preset: str = typer.Option("", help="use this model.py preset instead of the Linear stack (e.g. 180m)"),
+    reps: int = typer.Option(7, help="interleaved repetitions"),
+    dir: str = typer.Option("", help="directory on the disk to measure (default: the system temp dir)"),
+):
+    """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the same state, with AdamW, on CPU.
+    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic renames."""
+    import tempfile
+
+    import ckpt as C
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    if preset:
+        from model import PRESETS, Mamba3LM
+
+        model = Mamba3LM(PRESETS[preset])
+    else:
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(max(1, round(params / 2048**2)))])
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():  # one step so that AdamW holds its two moments per parameter
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    with tempfile.TemporaryDirectory(dir=dir or None) as d:
+        bare_model, bare_optim = os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")
+
+        def bare_save():
+            save_file(model.state_dict(), bare_model)
+            torch.save({"optimizer": opt.state_dict()}, bare_optim)
+
+        def bare_load():
+            model.load_state_dict(load_file(bare_model))
+            opt.load_state_dict(torch.load(bare_optim, weights_only=True)["optimizer"])
+
+        saves = time_interleaved({"bare": bare_save, "ckpt": lambda: C.save(d, 1, model, opt, {"bench": True})}, reps)
+        loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, model, opt)}, reps)
+        size = sum(os.path.getsize(os.path.join(d, n)) for n in C._names(1)[:2])
+
+    rows = []
+    for what, t in (("save", saves), ("load", loads)):
+        rows.append([what, f"{t['bare']:.2f}", f"{t['ckpt']:.2f}", f"{t['ckpt'] / t['bare']:.2f}x",
+                     f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"])
+    cols = ["", "bare s", "ckpt s", "ckpt / bare", "bare GB/s", "ckpt GB/s"]
+    what = f"{preset} preset" if preset else "Linear stack"
+    print_table(f"checkpoint of {n_params / 1e6:.0f}M params ({what}) + AdamW state: {size / 1e9:.2f} GB, "
+                f"medians of {reps}", cols, rows)
+    console.print("save target: ckpt / bare <= 1.30x (ckpt.save includes sha256, fsync, renames; bare does neither)")
+    console.print(f"machine: {machine()}, checkpoint dir on {dir or tempfile.gettempdir()}")
+
 
 # -----------------------------------------------------------------------------
 # bench.py train

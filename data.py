@@ -121,8 +121,9 @@ class TokenSource:
             k, lo = k + 1, 0
         return np.concatenate(pieces)
 
-    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
-        """The tokens of windows `ids`: (len(ids), seq_len + 1) array in the source dtype (see the module doc)."""
+    def windows(self, ids: np.ndarray, seq_len: int, out=None) -> np.ndarray:
+        """The tokens of windows `ids`: (len(ids), seq_len + 1) array in the source dtype (see the module doc),
+        written into `out` when given (a multi-file source fills it; a single-file one returns a new array)."""
         n, ids = seq_len + 1, np.asarray(ids)
         if len(self._segments) == 1:
             # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
@@ -133,16 +134,16 @@ class TokenSource:
                 view = as_strided(seg, (rows, n), (seq_len * seg.itemsize, seg.itemsize), writeable=False)
                 self._strided[seq_len] = view
             return view[ids]  # (B, n)
-        out = np.empty((len(ids), n), dtype=self.dtype)  # (B, n)
+        out = np.empty((len(ids), n), dtype=self.dtype) if out is None else out  # (B, n)
         # Window w starts in the last file k with starts[k] <= w * seq_len, i.e. ceil(starts[k] / seq_len) <= w:
         # searching the window ids among those (cached per seq_len) avoids a multiply and a cast per batch.
         first_windows = self._first_windows.get(seq_len)
         if first_windows is None:
             first_windows = self._first_windows[seq_len] = -(-self._starts_array // seq_len)
-        after = np.searchsorted(first_windows, ids, side="right")  # (B,) 1 + the file each window starts in
-        segs = self._segments
+        after = first_windows.searchsorted(ids, side="right")  # (B,) 1 + the file each window starts in
+        segs, files = self._segments, self._files
         for b, (w, k) in enumerate(zip(ids.tolist(), after.tolist())):
-            seg, first, length = self._files[k - 1]
+            seg, first, length = files[k - 1]
             lo = w * seq_len - first
             if lo + n <= length:
                 out[b] = seg[lo : lo + n]
@@ -459,6 +460,8 @@ class Batches:
         self._lock = threading.Lock()  # the order caches are shared by the prefetch thread and `epochs`
         self.prefetch = prefetch
         self._thread = None
+        # Gathered windows before conversion: reused, as only one thread builds batches at a time.
+        self._scratch = np.empty((self.micro_batch, self.seq_len + 1), self.sources[0].dtype)
 
     # --- the public face
 
@@ -537,7 +540,7 @@ class Batches:
         if len(self.sources) == 1:
             with self._lock:
                 ids = self._window_ids(0, counts[0] + self.rank * B, B)  # this rank's slice of the micro-step
-            g = self.sources[0].windows(ids, L)  # (B, L + 1) in the source dtype
+            g = self.sources[0].windows(ids, L, self._scratch)  # (B, L + 1) in the source dtype
             # converting straight into x and y is the only copy of the tokens
             x[...] = g[:, :-1]
             y[...] = g[:, 1:]
