@@ -217,9 +217,9 @@ except ImportError:  # no Triton on this platform (macOS); impl="triton" then sa
     triton = None
 
 if triton is not None:
-    # Under TRITON_INTERPRET=1 (read when triton is imported) the kernels run as numpy on CPU tensors: the
-    # tests run them that way. Its one gap that matters here: no bfloat16 arithmetic (see _dot).
-    _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+    # Under TRITON_INTERPRET=1 (read when the kernels below are decorated, i.e. at import) they run as numpy on
+    # CPU tensors: the tests run them that way. Its one gap that matters here: no bfloat16 arithmetic (see _dot).
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
 
