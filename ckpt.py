@@ -15,6 +15,7 @@ fsynced. So a kill at any instant leaves either the previous steps or the new st
     save(dir, step, model, optimizer, meta, keep_last=None)
     list_steps(dir) -> [steps]            complete steps only (all three files, sizes match the meta)
     latest_step(dir) -> step | None
+    read_meta(dir, step) -> meta          sizes checked, nothing loaded
     load(dir, step, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False) -> meta
     load_latest(dir, model, ...) -> (step, meta) | (None, None)   newest step that verifies
 
@@ -437,6 +438,18 @@ def list_steps(dir):
     return steps
 
 
+def read_meta(dir, step):
+    """The meta dict of checkpoint `step` in `dir`, without loading anything (to build the model from
+    meta["model_config"] first, say). The three files must exist with the recorded sizes; the sha256
+    is left to load(). A step that does not exist is a CheckpointError listing the steps that do.
+    """
+    d = Path(dir)
+    if not (d / _names(step)[2]).exists() and step not in _data_steps(d):
+        steps = list_steps(d)
+        raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {steps if steps else 'none'}")
+    return _read_meta(d, step)
+
+
 def latest_step(dir):
     """The highest complete step in `dir` (see list_steps), or None when there is none."""
     steps = list_steps(dir)
@@ -496,10 +509,7 @@ def _sha256(path):
 
 def _verify(d, step):
     """Meta of `step` after checking sizes and the sha256 of both data files."""
-    if not (d / _names(step)[2]).exists() and step not in _data_steps(d):
-        steps = list_steps(d)
-        raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {steps if steps else 'none'}")
-    meta = _read_meta(d, step)
+    meta = read_meta(d, step)
     names = _names(step)[:2]
     with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
         digests = list(pool.map(_sha256, [d / name for name in names]))

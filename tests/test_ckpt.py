@@ -287,8 +287,22 @@ def test_missing_step_lists_the_steps_that_exist(tmp_path):
     model, opt = make(0)
     for step in (2, 1):
         ckpt.save(tmp_path, step, model, opt, {})
-    with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*steps there: \[1, 2\]"):
-        ckpt.load(tmp_path, 5, model, opt)
+    for read in (lambda: ckpt.load(tmp_path, 5, model, opt), lambda: ckpt.read_meta(tmp_path, 5)):
+        with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*steps there: \[1, 2\]"):
+            read()
+
+
+def test_read_meta_reads_without_loading(tmp_path):
+    a, opt_a = make(0)
+    ckpt.save(tmp_path, 4, a, opt_a, {"tokenizer": {"name": "byte"}})
+    b, opt_b = make(1)
+    meta = ckpt.read_meta(tmp_path, 4)
+    assert meta["tokenizer"] == {"name": "byte"} and meta["model_config"]["dim"] == 8
+    assert not same_state(a, b)
+    assert ckpt.load(tmp_path, 4, b, opt_b) == meta
+    (tmp_path / "optim_step_4.pt").unlink()
+    with pytest.raises(CheckpointError, match="optim_step_4.pt is missing"):
+        ckpt.read_meta(tmp_path, 4)
 
 
 def test_retention_sorts_by_step_number(tmp_path):
