@@ -403,7 +403,8 @@ def _bench_prepare(root):
                 m = P.prepare(files, root / "demo", tokenizer, workers=workers, val_fraction=0.01, log=lambda s: None)
                 best = min(best, time.perf_counter() - t0)
             n = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
-            rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}", f"{size / best / 1e6:.1f}"])
+            rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}",
+                         f"{size / best / 1e6:.1f}"])
     print_table(f"prepare.py on the demo corpus ({len(files)} files, {size / 1e6:.1f} MB of Python)",
                 ["tokenizer", "workers", "tokens", "seconds", "M tokens/s", "MB/s"], rows)
 

@@ -88,7 +88,8 @@ class TokenSource:
         self._first_windows = {}  # seq_len -> (files + 1,) first window starting in each file
 
     def __repr__(self):
-        return f"TokenSource({str(self.path)!r}, {self.num_tokens:,} {self.dtype.name} tokens in {len(self.files)} files)"
+        tokens = f"{self.num_tokens:,} {self.dtype.name} tokens"
+        return f"TokenSource({str(self.path)!r}, {tokens} in {len(self.files)} files)"
 
     def __len__(self):
         return self.num_tokens
@@ -279,7 +280,7 @@ def read_manifest(directory) -> dict:
             if Path(shard["file"]).name != shard["file"]:
                 raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
         if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
-            raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another number")
+            raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another total")
     return m
 
 
@@ -338,7 +339,8 @@ def _open_megatron(prefix, dtype):
     expected = MEGATRON_HEADER.size + 12 * S + 8 * D
     if len(raw) != expected:
         raise DataError(
-            f"{idx}: expected {expected} bytes (34 + 12 x {S} sequences + 8 x {D} document boundaries), found {len(raw)}"
+            f"{idx}: expected {expected} bytes (34 + 12 x {S} sequences + 8 x {D} document boundaries), "
+            f"found {len(raw)}"
         )
     o = MEGATRON_HEADER.size
     lengths = np.frombuffer(raw, "<i4", S, o).astype(np.int64)  # (S,) tokens per sequence
@@ -351,7 +353,9 @@ def _open_megatron(prefix, dtype):
         raise DataError(f"{idx}: expected non-negative sequence lengths, found {lengths[i]} at sequence {i}")
     if (np.diff(pointers) < 0).any():
         i = int(np.argmax(np.diff(pointers) < 0)) + 1
-        raise DataError(f"{idx}: expected increasing pointers, found {pointers[i]} after {pointers[i - 1]} at sequence {i}")
+        raise DataError(
+            f"{idx}: expected increasing pointers, found {pointers[i]} after {pointers[i - 1]} at sequence {i}"
+        )
     expect_ptr = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize
     if (pointers != expect_ptr).any():
         i = int(np.argmax(pointers != expect_ptr))
@@ -368,7 +372,9 @@ def _open_megatron(prefix, dtype):
     have = binf.stat().st_size
     if have != want:
         what = "truncated" if have < want else "longer than its index says"
-        raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per {idx.name}), found {have}: {what}")
+        raise DataError(
+            f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per {idx.name}), found {have}: {what}"
+        )
     return TokenSource(prefix, [binf], token)
 
 
@@ -431,10 +437,11 @@ class Batches:
         if int(seed) != seed or seed < 0:
             raise DataError(f"Batches: expected a non-negative integer seed, found {seed!r}")
         if global_batch % (micro_batch * world_size):
+            per_step = micro_batch * world_size
             raise DataError(
                 f"global batch {global_batch} sequences is not a multiple of micro_batch {micro_batch} x "
-                f"world_size {world_size} = {micro_batch * world_size}; pick sizes where it is (for example a "
-                f"global batch of {max(1, round(global_batch / (micro_batch * world_size))) * micro_batch * world_size})"
+                f"world_size {world_size} = {per_step}; pick sizes where it is (for example a global batch of "
+                f"{max(1, round(global_batch / per_step)) * per_step})"
             )
         self.seq_len, self.micro_batch, self.global_batch = int(seq_len), int(micro_batch), int(global_batch)
         self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
@@ -448,7 +455,9 @@ class Batches:
         for s in self.sources:
             n = (s.num_tokens - 1) // self.seq_len
             if n < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}")
+                raise DataError(
+                    f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}"
+                )
             self._num_windows.append(n)
         self._weights = _blend_weights(weights, len(self.sources))
         D = math.lcm(*(w.denominator for w in self._weights))
@@ -517,7 +526,8 @@ class Batches:
         consumed, counts = int(state["consumed"]), tuple(int(c) for c in state["source_consumed"])
         if len(counts) != len(self.sources) or sum(counts) != consumed:
             raise DataError(
-                f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, found {list(counts)}"
+                f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, "
+                f"found {list(counts)}"
             )
         step = self.micro_batch * self.world_size
         if (consumed % self.global_batch) % step:
@@ -682,7 +692,9 @@ def _check_order(order, num_windows, epoch):
             f"found {order.dtype} with shape {order.shape}"
         )
     if order.min() < 0 or order.max() >= num_windows:
-        raise DataError(f"order_fn: expected window ids in [0, {num_windows}) for epoch {epoch}, found {order.min()}..{order.max()}")
+        raise DataError(
+            f"order_fn: expected window ids in [0, {num_windows}) for epoch {epoch}, found {order.min()}..{order.max()}"
+        )
     return order
 
 

@@ -19,7 +19,6 @@ and never touches a previous output.
 import gzip
 import hashlib
 import json
-import math
 import multiprocessing
 import os
 import re
@@ -205,7 +204,8 @@ def find_inputs(paths) -> list:
             raise DataError(f"{p}: no such file or directory")
         if p.is_file():
             if _kind(p) is None:
-                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz), found {p.suffix or 'no suffix'}")
+                found = p.suffix or "no suffix"
+                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz), found {found}")
             files.append(p)
             continue
         found = []
@@ -429,9 +429,10 @@ def _check_out(out: Path, files, overwrite: bool) -> bool:
     except DataError:
         if overwrite:
             return True
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
         raise DataError(
             f"--out {out}: expected an empty directory or a previous prepare.py output, found other files "
-            f"({', '.join(sorted(p.name for p in out.iterdir())[:5])}...); pick another --out, or pass --overwrite to replace it"
+            f"({names}...); pick another --out, or pass --overwrite to replace it"
         ) from None
 
 
@@ -653,12 +654,18 @@ def main(
     inputs: Optional[List[Path]] = typer.Argument(
         None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz). None: the demo corpus, "
         "Python's standard library sources."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
-    tokenizer: Optional[str] = typer.Option(None, help="gpt2, byte, or a path to a Hugging Face tokenizer.json (default: byte for the demo, gpt2 otherwise)."),
-    shard_tokens: int = typer.Option(50_000_000, help="Tokens per shard, about: documents are never split."),
-    val_fraction: Optional[float] = typer.Option(None, help="Fraction of documents held out for validation, at least one when > 0 (default: 0.01 for the demo, 0.0005 otherwise)."),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
+    tokenizer: Optional[str] = typer.Option(
+        None, help="gpt2, byte, or a path to a Hugging Face tokenizer.json "
+        "(default: byte for the demo, gpt2 otherwise)."),
+    shard_tokens: int = typer.Option(50_000_000, help="Most tokens per shard; shards end at document ends (a longer document gets one of its own)."),
+    val_fraction: Optional[float] = typer.Option(
+        None, help="Fraction of documents held out for validation, at least one when > 0 "
+        "(default: 0.01 for the demo, 0.0005 otherwise)."),
     workers: Optional[int] = typer.Option(None, help="Tokenizer processes (default: all cores)."),
-    eos_token: Optional[str] = typer.Option(None, help="The end-of-document token of a tokenizer file, when it is not one of " + ", ".join(EOS_TOKENS) + "."),
+    eos_token: Optional[str] = typer.Option(
+        None, help=f"The end-of-document token of a tokenizer file, when it is not one of {', '.join(EOS_TOKENS)}."),
     overwrite: bool = typer.Option(False, help="Replace an --out that holds something other than a previous output."),
 ):
     """Tokenize text into shards + manifest.json for train.py (DESIGN §2.1).
@@ -669,7 +676,7 @@ def main(
     try:
         if inputs:
             if out is None:
-                raise DataError("--out: expected an output directory for your INPUT files (only the demo has a default)")
+                raise DataError("--out: expected an output directory for your INPUT files (only the demo has one)")
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
@@ -685,7 +692,7 @@ def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output 
     """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only when all is well."""
     problems = verify(directory)
     if problems:
-        errors.print(f"{directory}: {len(problems)} problems", markup=False)
+        errors.print(f"{directory}: {len(problems)} problem{'s' if len(problems) > 1 else ''}", markup=False)
         for p in problems:
             errors.print(f"  - {p}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
@@ -704,8 +711,8 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
     for name, s in m["splits"].items():
         table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])), str(s["max_token_id"]))
     console.print(table)
-    console.print(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, dtype {m['dtype']}",
-                  markup=False, highlight=False)
+    about = f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, dtype {m['dtype']}"
+    console.print(about, markup=False, highlight=False)
     console.print(f"stats {m.get('stats', {})}", markup=False, highlight=False)
     console.print("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)", markup=False)
     if sample is not None:

@@ -121,6 +121,9 @@ def test_byte_corpus_end_to_end(tmp_path):
     check_output(tmp_path / "out", manifest, expected, 0.1, 200)
     assert len(manifest["splits"]["train"]["shards"]) > 3
     assert manifest["stats"]["undecodable_replaced"] == 3 and manifest["stats"]["empty_documents_skipped"] == 1
+    run([tmp_path / "corpus"], tmp_path / "out2", "byte", shard_tokens=200, val_fraction=0.1, workers=2)
+    for f in (tmp_path / "out").iterdir():  # byte-identical with 2 workers
+        assert f.read_bytes() == (tmp_path / "out2" / f.name).read_bytes(), f.name
     # what data.py reads is the same stream
     source = open_tokens(tmp_path / "out", "val")
     want_val = np.concatenate([e for n, e in enumerate(expected) if is_val(n, 0.1)])
@@ -308,8 +311,8 @@ def test_failures_never_touch_existing_output(tmp_path):
 
 
 def test_cli_errors_are_one_clean_paragraph(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out", str(tmp_path / "o")]
+    r = subprocess.run(cli, capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "missing" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
     r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)], capture_output=True, text=True)
