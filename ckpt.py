@@ -197,9 +197,10 @@ def _rng_state():
 
 
 def _set_rng_state(rng):
-    torch.set_rng_state(rng["torch"])
+    # Both setters want CPU byte tensors, whatever map_location moved them to.
+    torch.set_rng_state(rng["torch"].cpu())
     if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
     random.setstate(rng["python"])
     n = rng["numpy"]
     np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
