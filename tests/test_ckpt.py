@@ -118,6 +118,24 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
     assert same_state(a, b) and same_optimizer(opt_a, opt_b)
 
 
+def test_big_tensors_and_written_out_files_hash_right(tmp_path, monkeypatch):
+    # Buffers of 1 MB and more are hashed in a helper thread, and files are flushed to disk every
+    # _WRITE_OUT bytes: shrink that so a small test takes both paths many times.
+    monkeypatch.setattr(ckpt, "_WRITE_OUT", 1 << 18)
+    model = nn.Linear(1024, 600)  # a 2.4 MB weight
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    ckpt.save(tmp_path, 1, model, opt, {})
+    meta = json.loads((tmp_path / "meta_step_1.json").read_text())
+    for name in ("model_step_1.safetensors", "optim_step_1.pt"):
+        assert meta["files"][name]["sha256"] == ckpt._sha256(tmp_path / name)
+    other = nn.Linear(1024, 600)
+    opt2 = torch.optim.AdamW(other.parameters())
+    ckpt.load(tmp_path, 1, other, opt2)
+    assert same_state(model, other) and same_optimizer(opt, opt2)
+
+
 def test_optimizer_file_loads_with_weights_only(tmp_path):
     model, opt = make(0)
     ckpt.save(tmp_path, 5, model, opt, {})
