@@ -1,0 +1,281 @@
+"""train.py and sample.py end to end on the tiny preset and a small byte-level corpus prepared here."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import prepare
+import sample
+import train
+from model import Mamba3LM
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+# a tiny model, short context, 2 micro-steps of 4 sequences per optimizer step
+BASE = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "256", "--log-every", "1",
+        "--eval-every", "1000", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~60k byte tokens of Python source, 10% held out."""
+    src = tmp_path_factory.mktemp("src")
+    lib = Path(json.__file__).parent
+    for f in sorted(lib.glob("*.py")):
+        (src / f.name).write_text(f.read_text())
+    out = tmp_path_factory.mktemp("data") / "corpus"
+    prepare.prepare(prepare.find_inputs([src]), out, tokenizer="byte", val_fraction=0.2, workers=1, log=lambda *a: None)
+    return out
+
+
+def run(*args, expect=0):
+    """train.py in-process through its real command line."""
+    result = runner.invoke(train.app, [str(a) for a in args])
+    if result.exit_code != expect:
+        raise AssertionError(f"exit {result.exit_code}, expected {expect}:\n{result.output}\n{result.exception!r}")
+    return result.output
+
+
+def records(out_dir, kind="train"):
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(out_dir):
+    return {r["step"]: r["loss"] for r in records(out_dir)}
+
+
+def weights(out_dir, step):
+    return load_file(str(Path(out_dir) / f"model_step_{step}.safetensors"))
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_loss_falls_and_metrics_are_written(corpus, tmp_path):
+    out = tmp_path / "run"
+    text = run("--data", corpus, *BASE, "--max-steps", 40, "--out-dir", out, "--eval-every", 20, "--save-every", 20)
+    assert "tiny" in text and "val loss" in text
+    train_recs = records(out)
+    assert [r["step"] for r in train_recs] == list(range(1, 41))
+    first, last = train_recs[0]["loss"], sum(r["loss"] for r in train_recs[-5:]) / 5
+    assert first > math.log(257) - 0.3 and last < first - 1.5
+    for r in train_recs:
+        assert {"loss", "ppl", "lr", "grad_norm", "tok_per_s", "ms_per_step"} <= r.keys()
+        assert abs(r["ppl"] - math.exp(r["loss"])) < 1e-6 * r["ppl"]
+    evals = records(out, "eval")
+    assert [r["step"] for r in evals] == [20, 40] and evals[1]["val_loss"] < evals[0]["val_loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"] == "tiny" and config["total_batch_size"] == 256
+    meta = json.loads((out / "meta_step_40.json").read_text())
+    assert meta["config"] == config and meta["tokens_seen"] == 40 * 256 and meta["tag"] == "final"
+    assert meta["tokenizer"] == {"name": "byte"} and meta["data"]["consumed"] == 40 * 8
+
+
+def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, monkeypatch):
+    args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 6]
+    run(*args, "--out-dir", tmp_path / "straight")
+
+    # the second run is stopped by SIGTERM during step 6 (steps count from 0): it finishes the step, saves
+    # step 7 and exits; then it is resumed
+    real = train.micro_step
+    calls = []
+
+    def interrupted(model, x, y, autocast):
+        calls.append(1)
+        if len(calls) == 2 * 6 + 1:  # first micro-step of step 6
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, x, y, autocast)
+
+    monkeypatch.setattr(train, "micro_step", interrupted)
+    text = run(*args, "--out-dir", tmp_path / "resumed")
+    assert "stopped by SIGTERM at step 7" in text
+    assert (tmp_path / "resumed" / "meta_step_7.json").exists()
+    monkeypatch.setattr(train, "micro_step", real)
+    text = run(*args, "--out-dir", tmp_path / "resumed")
+    assert "resumed from" in text and "step 7" in text
+
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+    assert_same_weights(weights(tmp_path / "straight", 12), weights(tmp_path / "resumed", 12))
+
+
+def test_sigkill_after_a_checkpoint_then_resume(corpus, tmp_path):
+    args = ["--data", corpus, *BASE, "--max-steps", 10, "--save-every", 4]
+    run(*args, "--out-dir", tmp_path / "straight")
+    # a child that kills itself with SIGKILL right after committing step 4
+    child = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import train
+        save = train.save_checkpoint
+        def save_then_die(cfg, step, *a, **kw):
+            save(cfg, step, *a, **kw)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+        train.save_checkpoint = save_then_die
+        sys.argv = ["train.py"] + {[str(a) for a in args + ["--out-dir", tmp_path / "killed"]]!r}
+        train.app()
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    run(*args, "--out-dir", tmp_path / "killed")
+    straight, killed = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert all(killed[s] == straight[s] for s in straight)  # steps 1-4 twice in the killed run's file: same values
+    assert_same_weights(weights(tmp_path / "straight", 10), weights(tmp_path / "killed", 10))
+
+
+def test_resume_step_is_honoured(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 4, "--out-dir", out, "--keep-last", 0]
+    run(*args)
+    original = weights(out, 12)
+    # step 12 is the newest checkpoint, but --resume 4 must load step 4 and train steps 5-12 again
+    text = run(*args, "--resume", 4)
+    assert "resumed from" in text and "step 4" in text
+    steps = [r["step"] for r in records(out)]
+    assert steps == list(range(1, 13)) + list(range(5, 13))
+    assert_same_weights(original, weights(out, 12))
+    # a run that has reached --max-steps resumed with fewer steps is a clean error, not a silent choice
+    assert "below the resumed step 12" in run(*args[:-4], "--max-steps", 8, "--out-dir", out, expect=2)
+
+
+def test_nonfinite_steps_are_skipped_and_a_run_of_them_rolls_back(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real = train.micro_step
+    seen, params_at = [], {}
+    poisoned = {6, 7, 8}  # optimizer steps whose loss is NaN (steps count from 0)
+
+    def faulty(model, x, y, autocast):
+        if not model.training:  # the final eval
+            return real(model, x, y, autocast)
+        step = len(seen) // 2
+        seen.append(x[:, :8].clone())
+        params_at.setdefault(step, [p.detach().clone() for p in model.parameters()])
+        loss = real(model, x, y, autocast)
+        return loss * float("nan") if step in poisoned or step == 3 else loss
+
+    monkeypatch.setattr(train, "micro_step", faulty)
+    text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--nan-guard", 3, "--out-dir", out)
+    assert text.count("update skipped") == 4
+    # a lone non-finite step (3) skips the update: the weights going into step 4 are those of step 3
+    assert all(torch.equal(a, b) for a, b in zip(params_at[3], params_at[4]))
+    # three in a row (6, 7, 8) restore checkpoint 5; step 9 starts from its weights
+    saved = weights(out, 5)
+    names = [n for n, _ in Mamba3LM(train.PRESETS["tiny"]).named_parameters()]
+    assert all(torch.equal(p, saved[n]) for n, p in zip(names, params_at[9]))
+    events = [r for r in records(out, "event") if r["event"] == "rollback"]
+    assert events == [{"kind": "event", "event": "rollback", "step": 9, "restored": 5}]
+    # the data cursor kept moving: no batch was seen twice
+    assert len({tuple(t.flatten().tolist()) for t in seen}) == len(seen) == 24
+    meta = json.loads((out / "meta_step_12.json").read_text())
+    assert meta["skipped_steps"] == 4 and meta["optimizer_steps"] == 8
+
+
+def test_rollback_without_a_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch):
+    real = train.micro_step
+    monkeypatch.setattr(train, "micro_step", lambda *a: real(*a) * float("nan"))
+    text = run("--data", corpus, *BASE, "--max-steps", 12, "--nan-guard", 2, "--out-dir", tmp_path, expect=2)
+    assert "no checkpoint" in text and "Traceback" not in text
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE), "--max-steps", "100000",
+           "--out-dir", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0, rest
+    stopped = [l for l in rest.splitlines() if "stopped by SIGTERM" in l]
+    assert stopped, rest
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert (out / f"meta_step_{step}.json").exists()
+
+
+def test_two_process_gloo_matches_one_process_and_resumes_on_another_world_size(corpus, tmp_path):
+    args = ["--data", corpus, *BASE, "--batch-size", "2", "--max-steps", 6, "--save-every", 3]
+    run(*args, "--out-dir", tmp_path / "one")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *map(str, args), "--max-steps", "3", "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world size 2" in proc.stdout and "2 ranks" in proc.stdout
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3]
+    for s in two:  # same samples per step; only the order of the sums differs
+        assert abs(one[s] - two[s]) < 1e-5
+    # resume the 2-process run in 1 process: it continues the same data
+    run(*args, "--out-dir", tmp_path / "two")
+    two = losses(tmp_path / "two")
+    for s in range(4, 7):
+        assert abs(one[s] - two[s]) < 1e-4
+
+
+def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
+    out = tmp_path / "run"
+    text = run("--data", corpus, *BASE, "--dry-run", "--out-dir", out)
+    assert "step 2:" in text and "val loss" in text and not out.exists()
+    text = run("--data", "synthetic", *BASE, "--vocab-size", 300, "--max-steps", 2, "--out-dir", out)
+    assert "SYNTHETIC" in text
+
+
+def test_blended_sources(corpus, tmp_path):
+    text = run("--data", f"{corpus}:3", "--data", f"{corpus}:1", *BASE, "--max-steps", 2, "--out-dir", tmp_path)
+    assert "weight 3" in text and "weight 1" in text
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "huge"], "not a preset"),
+    (["--vocab-size", "100"], "vocab_size 100"),
+    (["--total-batch-size", "100"], "not a multiple of --seq-len"),
+    (["--total-batch-size", "96"], "not a multiple of micro_batch"),
+    (["--resume", "7"], "step 7"),
+    (["--schedule", "linear"], "cosine or wsd"),
+])
+def test_clean_errors(corpus, tmp_path, extra, message):
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", tmp_path, *extra, expect=2)
+    assert message in text and "Traceback" not in text and text.startswith("error:")
+
+
+def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
+    text = run("--data", tmp_path / "nope", *BASE, "--out-dir", tmp_path / "x", expect=2)
+    assert "nope" in text and "Traceback" not in text
+    out = tmp_path / "run"
+    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out)
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", expect=2)
+    assert "already holds checkpoints" in text
+    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", "--overwrite")
+    moved = list(out.glob("previous-*/meta_step_2.json"))
+    assert len(moved) == 1 and (out / "meta_step_2.json").exists()
+
+
+def test_sample_greedy_equals_generate(corpus, tmp_path):
+    out = tmp_path / "run"
+    run("--data", corpus, *BASE, "--max-steps", 20, "--out-dir", out)
+    result = runner.invoke(sample.app, ["--ckpt", str(out), "--prompt", "def ", "--max-new-tokens", "40",
+                                        "--top-k", "1", "--temperature", "1.0"])
+    assert result.exit_code == 0, result.output
+    model, tokenizer, step = sample.load_model(out)
+    assert step == 20
+    ids = model.generate(torch.tensor([tokenizer.encode("def ")]), 40, top_k=1)[0, 4:].tolist()
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
+    assert result.output == "def " + tokenizer.decode(ids) + "\n"
+    result = runner.invoke(sample.app, ["--ckpt", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "no complete checkpoint" in result.output
