@@ -9,10 +9,12 @@
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared machine
 slows every contender alike; the ratios are what to read, the absolute figures depend on the machine.
 """
+import contextlib
 import os
 import platform
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -470,6 +472,76 @@ def ckpt(
 
 # -----------------------------------------------------------------------------
 # bench.py train
+
+
+@app.command("train")
+def train_step(
+    models: str = typer.Option("", help="Comma-separated presets (default: tiny,small on a CPU, every preset on a GPU)."),
+    steps: int = typer.Option(5, help="Timed optimizer steps per preset."),
+    warmup: int = typer.Option(2, help="Untimed steps first (allocation, torch.compile)."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Default: on for CUDA, off for CPU."),
+):
+    """Tokens/s, ms/step and MFU of training steps per preset (one micro batch of the preset's recipe per step,
+    AdamW, bf16 autocast on CUDA), excluding warm-up and compilation. A preset that runs out of memory is
+    reported as not fitting."""
+    import dataclasses
+
+    import train as trainer
+    from model import PRESETS, Mamba3LM
+
+    dev, dtype, compile_ = trainer.resolve_device(device, "auto", compile)
+    names = models.split(",") if models else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    peak = trainer.peak_flops(dev)
+    rows = []
+    for name in names:
+        recipe = trainer.RECIPES[name]
+        B, L = recipe["batch_size"], recipe["seq_len"]
+        vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus vs GPT-2 BPE
+        torch.manual_seed(0)
+        try:
+            model = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
+            opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
+            fwd = torch.compile(model) if compile_ else model
+            tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
+
+            def step():
+                loss = trainer.micro_step(fwd, tokens[:, :-1], tokens[:, 1:], autocast)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            for _ in range(warmup):
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            dt = (time.perf_counter() - t0) / steps
+            n_params, flops = model.num_params(), model.flops_per_token(L)
+        except torch.cuda.OutOfMemoryError:
+            rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
+            continue
+        finally:
+            model = opt = fwd = None
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        tok_s = B * L / dt
+        mfu = f"{flops * tok_s / peak:.1%}" if peak else "-"
+        rows.append([name, f"{B}x{L}", f"{tok_s:,.0f}", f"{dt * 1e3:.0f}", f"{n_params / 1e6:.1f}M", mfu])
+    print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
+                ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
+    console.print(f"machine: {machine()}")
+
+
+@app.command("all")
+def all_():
+    """Every table above with its defaults, one after the other."""
+    commands = typer.main.get_command(app).commands
+    for name in ("kernels", "data", "ckpt", "train"):
+        commands[name].callback(**{p.name: p.default for p in commands[name].params})
 
 
 if __name__ == "__main__":
