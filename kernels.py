@@ -169,6 +169,16 @@ class ChunkedScan(torch.autograd.Function):
         return dX, dQ, dK, dcs, dw, dg, G  # G is now the gradient of Sin0
 
 
+def _chunk_glue(gamma, beta, state, x, k, dtype):
+    """What both chunked paths compute on (B, L, H) scalars before the chunks: w_s = gamma_s + beta_{s+1}
+    (token s's input also enters the next step's trapezoid; 0 after the last token), and the state entering
+    the first chunk, S0 plus the first token's beta term (which needs x_prev and k_prev)."""
+    S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
+    w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
+    Sin0 = S0 + beta[:, 0, :, None, None].to(dtype) * x_prev[..., :, None] * k_prev[..., None, :]  # (B, H, P, N)
+    return w, Sin0
+
+
 def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
     """The chunked form of MAMBA3.md §2: chunks of C tokens become the batch of the matmuls in ChunkedScan.
     cs is the inclusive cumsum of log_a inside a chunk and w_s = gamma_s + beta_{s+1}."""
@@ -176,10 +186,8 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
     N = q.shape[-1]
     C = chunk_size
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
-    S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
     with torch.autocast(x.device.type, enabled=False):
-        # w_s = gamma_s + beta_{s+1}: token s's input also enters the next step's trapezoid; 0 after the last
-        w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
+        w, Sin0 = _chunk_glue(gamma, beta, state, x, k, dtype)
         # pad to whole chunks with tokens that change nothing (no decay, no input), then chunk-major:
         # (B, L, H, D) -> (B*H*nc, C, D)
         pad = (-L) % C
@@ -192,8 +200,6 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
-        # the state entering the first chunk: S0 plus the first token's beta term, which needs x_prev, k_prev
-        Sin0 = S0 + beta[:, 0, :, None, None].to(dtype) * x_prev[..., :, None] * k_prev[..., None, :]
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N))  # (b, C, P), (B*H, P, N)
         y = Y.view(B, H, nc, C, P).permute(0, 2, 3, 1, 4).reshape(B, nc * C, H, P)[:, :L]
     return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
@@ -524,17 +530,14 @@ def ssd_triton(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
     N = q.shape[-1]
     nc = -(-L // C)
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
-    S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
     with torch.autocast(x.device.type, enabled=False):
-        # w_s = gamma_s + beta_{s+1}: token s's input also enters the next step's trapezoid; 0 after the last
-        w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
+        w, Sin0 = _chunk_glue(gamma, beta, state, x, k, dtype)
 
         def per_chunk(t):  # (B, L, H) -> (B*H, nc, C), zeros past L: no decay, no input
             t = F.pad(t.to(dtype), (0, 0, 0, nc * C - L))
             return t.view(B, nc, C, H).permute(0, 3, 1, 2).reshape(B * H, nc, C)
 
         cs = per_chunk(log_a).cumsum(-1)  # (B*H, nc, C), <= 0 and decreasing inside each chunk
-        Sin0 = S0 + beta[:, 0, :, None, None].to(dtype) * x_prev[..., :, None] * k_prev[..., None, :]
         y, S = TritonScan.apply(x, q, k, cs, per_chunk(w), per_chunk(gamma), Sin0.reshape(B * H, P, N))
     return y, _final_state(S.view(B, H, P, N), x, k)
 
