@@ -95,7 +95,8 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     tensors = module.state_dict()
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"model state {name!r} is a {type(t).__name__}, not a tensor; safetensors holds tensors only")
+            raise CheckpointError(f"model state {name!r} is a {type(t).__name__}, not a tensor; "
+                                  f"safetensors holds tensors only")
         if t.dtype not in _ST_DTYPES:
             raise CheckpointError(f"model state {name!r} has dtype {t.dtype}, which safetensors cannot hold")
     optim = {"optimizer": None if optimizer is None else optimizer.state_dict(), "rng": _rng_state()}
@@ -161,7 +162,8 @@ def _check_json(x, where):
     if isinstance(x, dict):
         for k, v in x.items():
             if not isinstance(k, str):
-                raise CheckpointError(f"{where} has the key {k!r} ({type(k).__name__}); JSON keys are strings, use str keys")
+                raise CheckpointError(f"{where} has the key {k!r} ({type(k).__name__}); JSON keys are strings, "
+                                      f"use str keys")
             _check_json(v, f"{where}[{k!r}]")
         return
     raise CheckpointError(f"{where} is a {type(x).__name__} ({str(x)[:60]}), which JSON cannot hold; "
@@ -203,7 +205,8 @@ def _set_rng_state(rng):
         torch.cuda.set_rng_state(rng["cuda"].cpu())
     random.setstate(rng["python"])
     n = rng["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    keys = np.array(n["keys"], dtype=np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
 class _HashingFile:
@@ -390,7 +393,8 @@ def _read_meta(d, step):
     try:
         text = path.read_text()
     except FileNotFoundError:  # also when retention removes it while we look (readers do not lock)
-        raise CheckpointError(f"step {step} in {d} is incomplete: {meta_name} is missing (an interrupted save?)") from None
+        raise CheckpointError(f"step {step} in {d} is incomplete: {meta_name} is missing "
+                              f"(an interrupted save?)") from None
     try:
         meta = json.loads(text)
         files = meta["files"]
