@@ -141,7 +141,7 @@ def kernels(
     chunk_size: int = typer.Option(64, help="C"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (x, q, k; log_a, gamma, beta stay float32)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    reps: int = typer.Option(15, help="interleaved repetitions per path"),
+    reps: int = typer.Option(25, help="interleaved repetitions per path"),
     recurrent: bool = typer.Option(True, help="also time the token-by-token recurrence (slow)"),
 ):
     """fwd and fwd+bwd time of every available ssd path vs the minimal-SSD baseline.

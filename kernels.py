@@ -91,7 +91,7 @@ def _weights(D, w, g):
 class ChunkedScan(torch.autograd.Function):
     """The chunked scan on chunk-major tensors (b = B*H*nc chunks of C tokens), forward and backward written
     out by hand. Autograd would keep and copy several C x C temporaries per chunk; this keeps two (the decay
-    matrix D and the scores Q K^T) and spends its time in batched matmuls. The same equations are what the
+    matrix D, the scores Q K^T and M) and spends its time in batched matmuls. The same equations are what the
     Triton kernels compute tile by tile. Per chunk, with Sin the state entering it:
 
         Y    = (W o (Q K^T)) X + exp(cs) * (Q Sin^T)       W_ij = D_ij w_j (j < i), gamma_i (j = i), 0 (j > i)
@@ -106,63 +106,68 @@ class ChunkedScan(torch.autograd.Function):
         nc = b // BH
         # what each chunk adds to the state at its end (its last token's w already holds the next beta)
         u = (cs[:, -1:] - cs).exp() * w  # (b, C)
-        dS = torch.bmm((X * u[..., None]).transpose(1, 2), K).view(BH, nc, P, N)
+        Xu = X * u[..., None]  # (b, C, P)
+        dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
         # the states entering the chunks, one chunk after the other (nc = L / C: a short loop)
-        a = cs[:, -1].exp().view(BH, nc)  # each chunk's total decay
+        a = cs[:, -1].exp().view(BH, nc, 1, 1)  # each chunk's total decay
         Sin = torch.empty_like(dS)
         S = Sin0
         for c in range(nc):
             Sin[:, c] = S
-            S = a[:, c, None, None] * S + dS[:, c]
+            S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
         D = decay_matrix(cs)
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C, C)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, Sin)
-        Y = torch.bmm(scores * _weights(D, w, g), X)
-        return Y.addcmul_(cs.exp()[..., None], torch.bmm(Q, Sin.transpose(1, 2))), S
+        M = _weights(D, w, g).mul_(scores)
+        # kept for the backward: D, scores and M (on a CPU, recomputing M costs as much as keeping it)
+        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin)
+        QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)  # Xu's buffer is free again: one 4 MB page-fault less
+        return torch.bmm(M, X).addcmul_(cs.exp()[..., None], QS), S
 
     @staticmethod
     def backward(ctx, dY, dS_final):
-        X, Q, K, cs, w, g, D, scores, Sin = ctx.saved_tensors
+        X, Q, K, cs, w, g, D, scores, M, Sin = ctx.saved_tensors
+        dY = dY.contiguous()  # it arrives as a view of (B, L, H, P); four matmuls read it
         b, C, P = X.shape
         BH, N = dS_final.shape[0], Q.shape[-1]
         nc = b // BH
-        W = _weights(D, w, g)
         e = cs.exp()
-        # intra-chunk: Y = M X with M = scores o W
-        dM = torch.bmm(dY, X.transpose(1, 2))  # (b, C, C)
-        dX = torch.bmm((scores * W).transpose(1, 2), dY)
-        dscores = dM * W
+        # intra-chunk: Y = M X with M = scores o W; W = D o w_j below the diagonal and gamma_i on it (D_ii = 1)
+        dX = torch.bmm(M.transpose(1, 2), dY)
+        dMD = torch.bmm(dY, X.transpose(1, 2)).mul_(D)  # dM o D, (b, C, C)
+        dscores = dMD * w[:, None, :]
+        dscores.diagonal(dim1=1, dim2=2).copy_(dMD.diagonal(dim1=1, dim2=2) * g)  # dM o W
         dQ, dK = torch.bmm(dscores, K), torch.bmm(dscores.transpose(1, 2), Q)
-        # W's gradient, through D: R = dW o D. W_ii = gamma_i (D_ii = 1); below, w_j and D_ij = exp(cs_i - cs_j),
-        # so cs_i gets the row sum of R_ij w_j and cs_j loses the column sum (the diagonal terms cancel)
-        R = dM.mul_(scores).mul_(D)
+        # W's gradient, through D: R = dW o D. W_ii = gamma_i; below, w_j and D_ij = exp(cs_i - cs_j), so cs_i
+        # gets the row sum of R_ij w_j and cs_j loses the column sum (the diagonal terms cancel)
+        R = dMD.mul_(scores)
         dg = R.diagonal(dim1=1, dim2=2).clone()
         colR = R.sum(1)
         dw = colR - dg
         dcs = torch.bmm(R, w[..., None])[..., 0] - w * colR
         # inter-chunk: exp(cs) * (Q Sin^T)
         T = torch.bmm(dY, Sin)  # (b, C, N)
-        dcs += e * (T * Q).sum(-1)
+        dcs += e * torch.linalg.vecdot(T, Q)
         dQ.addcmul_(e[..., None], T)
-        dSin = torch.bmm((dY * e[..., None]).transpose(1, 2), Q).view(BH, nc, P, N)
+        dYe = dY * e[..., None]  # (b, C, P)
+        dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
         # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
-        Sin = Sin.view(BH, nc, P, N)
-        a = cs[:, -1].exp().view(BH, nc)
-        dS, da = torch.empty_like(Sin), torch.empty_like(a)
+        a = cs[:, -1].exp().view(BH, nc, 1, 1)
         G = dS_final
-        for c in reversed(range(nc)):
-            dS[:, c] = G
-            da[:, c] = (G * Sin[:, c]).sum((-1, -2)) * a[:, c]  # Sout_c = a_c Sin_c + dS_c, a_c = exp(cs_last)
-            G = a[:, c, None, None] * G + dSin[:, c]
+        for c in reversed(range(nc)):  # dSin's slots take the gradient of each chunk's dS as they free up
+            G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
+        dS = dSin
+        # Sout_c = a_c Sin_c + dS_c with a_c = exp(cs_last): cs_last gets a_c <G_c, Sin_c>
+        da = torch.linalg.vecdot(dS.flatten(2), Sin.view(BH, nc, P * N)) * a.view(BH, nc)
         # what each chunk adds: dS = (X * u)^T K with u_s = f_s w_s, f_s = exp(cs_last - cs_s)
         dS = dS.view(b, P, N)
         f = (cs[:, -1:] - cs).exp()
         u = f * w
-        dXu = torch.bmm(K, dS.transpose(1, 2))  # (b, C, P)
+        # (the dead buffers of dY * e and T take the products: on a CPU, fresh 4 MB buffers cost page faults)
+        dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C, P)
         dX.addcmul_(dXu, u[..., None])
-        dK += torch.bmm(X * u[..., None], dS)
-        du = (dXu * X).sum(-1)  # (b, C)
+        dK.addcmul_(u[..., None], torch.bmm(X, dS, out=T))
+        du = torch.linalg.vecdot(dXu, X)  # (b, C)
         dw += du * f
         dcs -= du * u
         dcs[:, -1] += (du * u).sum(-1) + da.view(b)
