@@ -142,22 +142,22 @@ class TokenSource:
         if first_windows is None:
             first_windows = self._first_windows[seq_len] = -(-self._starts_array // seq_len)
         after = first_windows.searchsorted(ids, side="right")  # (B,) 1 + the file each window starts in
-        segs, files = self._segments, self._files
-        for b, (w, k) in enumerate(zip(ids.tolist(), after.tolist())):
+        # The pieces of all windows in order (one per window, two or more where a window spans files), then
+        # one concatenate into `out`: a single C loop copies them, instead of one Python setitem per window.
+        segs, files, pieces = self._segments, self._files, []
+        for w, k in zip(ids.tolist(), after.tolist()):
             seg, first, length = files[k - 1]
             lo = w * seq_len - first
             if lo + n <= length:
-                out[b] = seg[lo : lo + n]
+                pieces.append(seg[lo : lo + n])
                 continue
-            h = length - lo  # the window spans files: its head is the tail of this one,
-            out[b, :h] = seg[lo:]
-            if n - h <= len(segs[k]):  # and the next file usually holds the rest
-                out[b, h:] = segs[k][: n - h]
-                continue
-            while h < n:  # else whole files, then the head of another
-                take = min(n - h, len(segs[k]))
-                out[b, h : h + take] = segs[k][:take]
-                h, k = h + take, k + 1
+            pieces.append(seg[lo:])  # the window spans files: its head is the tail of this one,
+            h = length - lo
+            while h < n:  # then the next file, which usually holds the rest, or whole files and a head
+                piece = segs[k][: n - h]
+                pieces.append(piece)
+                h, k = h + len(piece), k + 1
+        np.concatenate(pieces, out=out.reshape(-1))  # a view: out is C-contiguous (np.empty here, or Batches' buffer)
         return out
 
 
