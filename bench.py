@@ -259,7 +259,8 @@ def _window_pieces(shards, shard_starts, s, n):
 
 
 def _copy_windows(pieces, g):
-    # the plain copy of each window's pieces (addresses found in advance) into one (B, L+1) buffer
+    # the plain copy of each window's pieces (addresses found in advance) into one (B, L+1) int64 buffer,
+    # converting on the way
     for b, window in enumerate(pieces):
         for shard, lo, hi, col in window:
             g[b, col : col + hi - lo] = shard[lo:hi]
@@ -298,27 +299,19 @@ def _bench_loaders(path, files, tokens, L, B, reps, per_call):
 
         return run
 
-    def fresh_pair(w):  # x and y are new every batch: the caller keeps them
-        x, y = np.empty((B, L), np.int64), np.empty((B, L), np.int64)
-        x[...] = w[:, :-1]
-        y[...] = w[:, 1:]
-        return x, y
-
-    g = np.empty((B, L + 1), np.uint16)
-    if len(files) == 1:  # one file: the fastest plain copy is one strided gather of all the rows
+    # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer (the caller keeps it)
+    if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
-        limit = contender(1, lambda ids, _: fresh_pair(view[ids]))
-        one_buffer = contender(2, lambda ids, _: view[ids].astype(np.int64))
-    else:  # many files: one slice copy per piece of a window
-        limit = contender(1, lambda _, pieces: fresh_pair(_copy_windows(pieces, g)), addresses=True)
-        one_buffer = contender(2, lambda _, pieces: _copy_windows(pieces, g).astype(np.int64), addresses=True)
+        limit = contender(1, lambda ids, _: view[ids].astype(np.int64))
+    else:  # many files: one slice copy per piece of a window, converting as it copies
+        limit = contender(1, lambda _, pieces: _copy_windows(pieces, np.empty((B, L + 1), np.int64)), addresses=True)
     loader = D.Batches(source, L, B, B, seed=0)
 
     def batches():  # like a training loop, each batch is dropped before the next is taken
         for _ in range(per_call):
             next(loader)
 
-    fns = {"limit": limit, "data.Batches": batches, "one (B, L+1) buffer": one_buffer}
+    fns = {"limit": limit, "data.Batches": batches}
     # The slow baselines run in a group of their own: their garbage would otherwise land on whoever follows.
     slow = {"Python lists": contender(3, lambda _, starts: _python_lists_batch(shards, shard_starts, starts, L))}
     if len(files) == 1:
@@ -338,11 +331,11 @@ def data(
     prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="also time prepare.py on the demo corpus"),
     workdir: str = typer.Option(None, help="where the token files go (default: a temporary directory)"),
 ):
-    """Loader tokens/s on random windows, warm page cache, one core, against the limit: the fastest plain
-    NumPy copy of the same windows into the contiguous int64 x and y the loader returns, with every window's
-    address found in advance. Baselines: nanoGPT's get_batch, a loader stitching windows through Python lists,
-    and one (B, L+1) int64 buffer (what a loader returning non-contiguous x, y views would copy). Then prepare.py
-    tokens/s on the demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
+    """Loader tokens/s on random windows, warm page cache, one core, against the limit: a raw copy of the same
+    kind of windows into a fresh int64 (B, L+1) buffer (what the loader returns x and y as views of), with every
+    window's address found in advance, outside the timer. Baselines: nanoGPT's get_batch and a loader stitching
+    windows through Python lists. Then prepare.py tokens/s on the demo corpus with 1 and 2 workers (byte, and
+    gpt2 where tiktoken can load its BPE file)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -366,7 +359,7 @@ def data(
         del stream
         for f in [single] + files:  # warm the page cache
             f.read_bytes()
-        names = ["limit", "data.Batches", "nanoGPT get_batch", "Python lists", "one (B, L+1) buffer"]
+        names = ["limit", "data.Batches", "nanoGPT get_batch", "Python lists"]
         rows = []
         for label, path, fs in [(f"one {tokens / 1e6:g}M-token file", single, [single]),
                                 (f"{len(files):,} files of {shard_tokens:,} tokens", sharded, files)]:

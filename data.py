@@ -123,8 +123,9 @@ class TokenSource:
         return np.concatenate(pieces)
 
     def windows(self, ids: np.ndarray, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids`: (len(ids), seq_len + 1) array in the source dtype (see the module doc),
-        written into `out` when given (a multi-file source fills it; a single-file one returns a new array)."""
+        """The tokens of windows `ids`: a (len(ids), seq_len + 1) array (see the module doc), in the source dtype,
+        or written into `out` when given: a C-contiguous array of any dtype that holds the tokens (Batches
+        passes int64, so the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
         if len(self._segments) == 1:
             # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
@@ -134,7 +135,10 @@ class TokenSource:
                 rows = (len(seg) - 1) // seq_len
                 view = as_strided(seg, (rows, n), (seq_len * seg.itemsize, seg.itemsize), writeable=False)
                 self._strided[seq_len] = view
-            return view[ids]  # (B, n)
+            if out is None:
+                return view[ids]  # (B, n)
+            out[...] = view[ids]
+            return out
         out = np.empty((len(ids), n), dtype=self.dtype) if out is None else out  # (B, n)
         # Window w starts in the last file k with starts[k] <= w * seq_len, i.e. ceil(starts[k] / seq_len) <= w:
         # searching the window ids among those (cached per seq_len) avoids a multiply and a cast per batch.
@@ -157,7 +161,7 @@ class TokenSource:
                 piece = segs[k][: n - h]
                 pieces.append(piece)
                 h, k = h + len(piece), k + 1
-        np.concatenate(pieces, out=out.reshape(-1))  # a view: out is C-contiguous (np.empty here, or Batches' buffer)
+        np.concatenate(pieces, out=out.reshape(-1))  # a view of out, which is C-contiguous
         return out
 
 
@@ -403,8 +407,10 @@ def check_vocab(source: TokenSource, vocab_size: int):
 class Batches:
     """The endless sequence of this rank's micro-batches, per DESIGN §5 (see the module doc).
 
-    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device`, contiguous, with
-    y[:, j] == x[:, j+1]; for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn.
+    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device` with y[:, j] == x[:, j+1],
+    for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn. Both are views of one (micro_batch,
+    seq_len + 1) buffer offset by a token (one copy of the tokens, one transfer to a GPU), so they are not
+    contiguous: call .contiguous() where a consumer needs it (the model does not).
       - sources: one TokenSource or a list; with several, `weights` (default equal) blend them: global
         sample g goes to the source furthest behind its share (earliest deadline among sources not ahead of
         it), so that on every prefix of n samples each source's count is within one sample of n * weight.
@@ -470,7 +476,6 @@ class Batches:
         self.prefetch = prefetch
         self._thread = None
         # Gathered windows before conversion: reused, as only one thread builds batches at a time.
-        self._scratch = np.empty((self.micro_batch, self.seq_len + 1), self.sources[0].dtype)
 
     # --- the public face
 
@@ -546,14 +551,11 @@ class Batches:
 
     def _build(self, consumed, counts):
         B, L = self.micro_batch, self.seq_len
-        x, y = self._empty_pair()  # (B, L) int64 each
+        g = self._empty_batch()  # (B, L + 1) int64: the windows, converted on the way in
         if len(self.sources) == 1:
             with self._lock:
                 ids = self._window_ids(0, counts[0] + self.rank * B, B)  # this rank's slice of the micro-step
-            g = self.sources[0].windows(ids, L, self._scratch)  # (B, L + 1) in the source dtype
-            # converting straight into x and y is the only copy of the tokens
-            x[...] = g[:, :-1]
-            y[...] = g[:, 1:]
+            self.sources[0].windows(ids, L, out=g)
             counts = (counts[0] + B * self.world_size,)
         else:
             src, first, counts = self._assign(consumed, counts)
@@ -561,11 +563,13 @@ class Batches:
                 rows = np.flatnonzero(src == k)  # a source's samples in a batch are consecutive in its order
                 with self._lock:
                     ids = self._window_ids(k, int(first[rows[0]]), len(rows))
-                g = self.sources[k].windows(ids, L)
-                x[rows], y[rows] = g[:, :-1], g[:, 1:]
-        x, y = self._torch.from_numpy(x), self._torch.from_numpy(y)
+                g[rows] = self.sources[k].windows(ids, L)
+        # x and y are views of the one buffer, offset by a token: one copy of the tokens, one transfer
         if self._cuda:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            g = self._torch.from_numpy(g).to(self.device, non_blocking=True)
+            return g[:, :-1], g[:, 1:], consumed + B * self.world_size, counts
+        # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: it shows at 15 us a batch)
+        x, y = self._torch.from_numpy(g[:, :-1]), self._torch.from_numpy(g[:, 1:])
         return x, y, consumed + B * self.world_size, counts
 
     def _assign(self, consumed, counts):
@@ -628,14 +632,12 @@ class Batches:
             cache[epoch] = order
         return cache[epoch]
 
-    def _empty_pair(self):
-        shape = (self.micro_batch, self.seq_len)
+    def _empty_batch(self):
+        shape = (self.micro_batch, self.seq_len + 1)
         if not self._cuda:
-            return np.empty(shape, np.int64), np.empty(shape, np.int64)
+            return np.empty(shape, np.int64)
         # Pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True).
-        x = self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True)
-        y = self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True)
-        return x.numpy(), y.numpy()  # numpy views of the pinned tensors, filled in place
+        return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()  # filled in place
 
     # --- prefetch: a thread builds micro-batches ahead; each carries the state after it
 
