@@ -302,7 +302,10 @@ def header(log, cfg, model, device, d, accum, sources, weights, val, tokens_per_
         names = ", ".join(str(s.path) + (f" (weight {w:g})" if weights else "") for s, w in zip(sources, weights or sources))
         lines.append(f"data       {names}: {data_tokens:,} tokens; {planned:,} planned = {planned / data_tokens:.2f} epochs")
         lines.append(f"eval       " + (f"every {cfg.eval_every} steps on {val.path} (val)" if val else "none: no val split"))
-    lines.append(f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else ""))
+    lines.append(f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "")
+                 + f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})")
+    lines.append(f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
+                 f"{cfg.nan_guard}, seed {cfg.seed}" + (", grad checkpointing" if cfg.grad_checkpointing else ""))
     if log.enabled:
         log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
