@@ -246,21 +246,14 @@ def evaluate(model, val, cfg: TrainConfig, d: Dist, device, autocast):
 
 
 class Log:
-    """Rank 0's console lines, progress bar (terminals only) and metrics.jsonl (appended, flushed)."""
+    """Rank 0's console lines, progress bar (terminals only) and metrics.jsonl (appended and flushed, opened at
+    the first record so that a run refused at start-up leaves nothing behind)."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist, start_step):
+    def __init__(self, cfg: TrainConfig, d: Dist):
         self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
         self.enabled = d.master
-        self.metrics = None
-        if self.enabled and not cfg.dry_run:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            self.metrics = open(Path(cfg.out_dir) / "metrics.jsonl", "a")
-        self.progress = None
-        if self.enabled and sys.stdout.isatty():
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                     TimeRemainingColumn(), console=self.console, transient=True)
-            self.task = self.progress.add_task("train", total=cfg.max_steps, completed=start_step)
-            self.progress.start()
+        self.path = Path(cfg.out_dir) / "metrics.jsonl" if d.master and not cfg.dry_run else None
+        self.metrics = self.progress = None
 
     def line(self, text):
         if self.enabled:
@@ -268,9 +261,19 @@ class Log:
             self.console.file.flush()  # lines reach a log file or pipe as they happen
 
     def record(self, **rec):
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
+        if self.path is None:
+            return
+        if self.metrics is None:
+            self.metrics = open(self.path, "a")
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+    def start_progress(self, done, total):
+        if self.enabled and sys.stdout.isatty():
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                     TimeRemainingColumn(), console=self.console, transient=True)
+            self.task = self.progress.add_task("train", total=total, completed=done)
+            self.progress.start()
 
     def advance(self, step):
         if self.progress is not None:
@@ -420,7 +423,7 @@ def _train(cfg: TrainConfig, d: Dist):
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                   fused=cfg.device == "cuda")
     prepare_out_dir(cfg, d)
-    log = Log(cfg, d, 0)
+    log = Log(cfg, d)
     meta = resume(cfg, model, optimizer, log, device)
     step, tokens_seen, skipped, run_id, wall = 0, 0, 0, None, 0.0
     if meta is not None:
@@ -434,10 +437,12 @@ def _train(cfg: TrainConfig, d: Dist):
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
 
     if d.master and not cfg.dry_run:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         if tokenizer and tokenizer.get("name") == "file":  # sample.py finds the tokenizer beside the checkpoints
             shutil.copy(Path(tokenizer_dir) / tokenizer["file"], Path(cfg.out_dir) / tokenizer["file"])
     header(log, cfg, model, cfg.device, d, accum, sources, weights, val, tokens_per_step, synthetic)
+    log.start_progress(step, cfg.max_steps)
     wandb_run, run_id = start_wandb(cfg, run_id, log)
 
     raw_model = model
@@ -462,79 +467,81 @@ def _train(cfg: TrainConfig, d: Dist):
                                    warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps),
                     optimizer_steps=step - skipped, tokenizer=tokenizer, wall_time=wall + time.time() - t_start)
 
-    t_start = time.time()
-    window = dict(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())  # sums over the steps since the last log
-    bad_streak = 0
-    while True:
-        last = step == cfg.max_steps
-        # --- eval and save when due (and at the end, inside the loop so the last step gets both); their time
-        # is kept out of the throughput figures
-        t_pause = time.time()
-        if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
-            val_loss = evaluate(model, val, cfg, d, device, autocast)
-            log.line(f"step {step}: val loss {val_loss:.4f}, ppl {math.exp(min(val_loss, 50)):.2f}")
-            rec = dict(kind="eval", step=step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
-            log.record(**rec)
-            wandb_log(wandb_run, rec, log)
-        if d.master and not cfg.dry_run and step > start_step and (last or step % cfg.save_every == 0 or stop["signal"]):
-            save_checkpoint(cfg, step, raw_model, optimizer, state(), log)
-        window["t"] += time.time() - t_pause
-        if stop["signal"]:
-            log.line(f"stopped by {stop['signal']} at step {step}; resume with --resume auto")
-            break
-        if last:
-            break
+    try:
+        t_start = time.time()
+        window = dict(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())  # sums over the steps since the last log
+        bad_streak = 0
+        while True:
+            last = step == cfg.max_steps
+            # --- eval and save when due (and at the end, inside the loop so the last step gets both); their time
+            # is kept out of the throughput figures
+            t_pause = time.time()
+            if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
+                val_loss = evaluate(model, val, cfg, d, device, autocast)
+                log.line(f"step {step}: val loss {val_loss:.4f}, ppl {math.exp(min(val_loss, 50)):.2f}")
+                rec = dict(kind="eval", step=step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+                log.record(**rec)
+                wandb_log(wandb_run, rec, log)
+            if d.master and not cfg.dry_run and step > start_step and (last or step % cfg.save_every == 0 or stop["signal"]):
+                save_checkpoint(cfg, step, raw_model, optimizer, state(), log)
+            window["t"] += time.time() - t_pause
+            if stop["signal"]:
+                log.line(f"stopped by {stop['signal']} at step {step}; resume with --resume auto")
+                break
+            if last:
+                break
 
-        # --- one optimizer step: accumulate over micro-steps, then clip and update unless non-finite
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for m in range(accum):
-            x, y = next(batches)
-            sync = contextlib.nullcontext() if d.world_size == 1 or m == accum - 1 else model.no_sync()
-            with sync:
-                loss = micro_step(model, x, y, autocast)
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        loss = all_mean(loss_sum / accum, d)
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(norm))
-        if finite:
-            optimizer.step()
-            bad_streak = 0
-        else:
-            skipped += 1
-            bad_streak += 1
-            log.line(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
-                     f"({bad_streak} in a row, {skipped} in all)[/yellow]")
-            log.record(kind="event", event="nonfinite", step=step)
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        window["steps"] += 1
-        if finite:
-            window["loss"] += loss.item()
-            window["norm"] += norm.item()
-            window["good"] += 1
-        if not finite and cfg.nan_guard and bad_streak >= cfg.nan_guard:
-            bad_streak = rollback(cfg, raw_model, optimizer, device, step, log)
-        # agree across ranks on a signal, so all of them save and stop at the same step
-        if d.world_size > 1:
-            flag = torch.tensor([1.0 if stop["signal"] else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and not stop["signal"]:
-                stop["signal"] = "a signal on another rank"
+            # --- one optimizer step: accumulate over micro-steps, then clip and update unless non-finite
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for m in range(accum):
+                x, y = next(batches)
+                sync = contextlib.nullcontext() if d.world_size == 1 or m == accum - 1 else model.no_sync()
+                with sync:
+                    loss = micro_step(model, x, y, autocast)
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+            loss = all_mean(loss_sum / accum, d)
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(norm))
+            if finite:
+                optimizer.step()
+                bad_streak = 0
+            else:
+                skipped += 1
+                bad_streak += 1
+                log.line(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
+                         f"({bad_streak} in a row, {skipped} in all)[/yellow]")
+                log.record(kind="event", event="nonfinite", step=step)
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            window["steps"] += 1
+            if finite:
+                window["loss"] += loss.item()
+                window["norm"] += norm.item()
+                window["good"] += 1
+            if not finite and cfg.nan_guard and bad_streak >= cfg.nan_guard:
+                bad_streak = rollback(cfg, raw_model, optimizer, device, step, log)
+            # agree across ranks on a signal, so all of them save and stop at the same step
+            if d.world_size > 1:
+                flag = torch.tensor([1.0 if stop["signal"] else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() and not stop["signal"]:
+                    stop["signal"] = "a signal on another rank"
 
-        # --- log
-        log.advance(step)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            log_window(log, wandb_run, window, step, lr, tokens_per_step, flops, peak, d)
-    for s, handler in previous.items():
-        signal.signal(s, handler)
-    log.close()
-    batches.close()
-    tmp.cleanup()
+            # --- log
+            log.advance(step)
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                log_window(log, wandb_run, window, step, lr, tokens_per_step, flops, peak, d)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        log.close()
+        batches.close()
+        tmp.cleanup()
 
 
 def rollback(cfg, model, optimizer, device, step, log):
@@ -635,6 +642,8 @@ def main(
         if int(os.environ.get("RANK", 0)) == 0:
             Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {e}", soft_wrap=True)
         raise typer.Exit(2)
+    except KeyboardInterrupt:  # before training started (after, Ctrl-C saves and exits cleanly)
+        raise typer.Exit(130)
 
 
 def resolve_config(args) -> TrainConfig:

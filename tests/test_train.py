@@ -261,6 +261,8 @@ def test_clean_errors(corpus, tmp_path, extra, message):
 def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
     text = run("--data", tmp_path / "nope", *BASE, "--out-dir", tmp_path / "x", expect=2)
     assert "nope" in text and "Traceback" not in text
+    text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--resume", 5, expect=2)
+    assert "step 5" in text and not (tmp_path / "x").exists()  # a refused run leaves nothing behind
     out = tmp_path / "run"
     run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out)
     text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", expect=2)
