@@ -342,7 +342,8 @@ def data(
 
     import numpy as np
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, as the issue asks (restored below for `bench.py all`)
     B, L = batch, seq_len
     root = Path(workdir or tempfile.mkdtemp(prefix="bench-data-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -376,6 +377,7 @@ def data(
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     console.print(f"machine: {machine()}")
+    torch.set_num_threads(threads)
 
 
 def _bench_prepare(root):
