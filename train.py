@@ -286,25 +286,27 @@ class Log:
             self.metrics.close()
 
 
-def header(log, cfg, model, device, d, accum, sources, weights, val, tokens_per_step, synthetic):
+def header(log, cfg, model, d, accum, sources, weights, val):
     n_params = model.num_params()
     data_tokens = sum(s.num_tokens for s in sources)
-    planned = tokens_per_step * cfg.max_steps
+    planned = cfg.total_batch_size * cfg.max_steps
     lines = [
         f"model      {cfg.model}: {n_params:,} parameters ({model.config.n_layer} layers, d_model {model.config.d_model}, "
         f"vocab {model.config.vocab_size})",
-        f"device     {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "") +
+        f"device     {cfg.device}" + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "") +
         f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {d.world_size}",
-        f"batch      {tokens_per_step:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens x "
+        f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens x "
         f"{accum} accumulation x {d.world_size} ranks",
         f"schedule   {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, {cfg.warmup_steps} warmup)",
     ]
-    if synthetic:
+    if cfg.data == ["synthetic"]:
         lines.append("data       SYNTHETIC random tokens (--data synthetic): the loss will not fall below ln(vocab)")
     else:
-        names = ", ".join(str(s.path) + (f" (weight {w:g})" if weights else "") for s, w in zip(sources, weights or sources))
+        names = ", ".join(str(s.path) for s in sources)
+        if weights:
+            names = ", ".join(f"{s.path} (weight {w:g})" for s, w in zip(sources, weights))
         lines.append(f"data       {names}: {data_tokens:,} tokens; {planned:,} planned = {planned / data_tokens:.2f} epochs")
-        lines.append(f"eval       " + (f"every {cfg.eval_every} steps on {val.path} (val)" if val else "none: no val split"))
+        lines.append("eval       " + (f"every {cfg.eval_every} steps on {val.path} (val)" if val else "none: no val split"))
     lines.append(f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "")
                  + f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})")
     lines.append(f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
@@ -321,10 +323,11 @@ def prepare_out_dir(cfg: TrainConfig, d: Dist):
     """--resume never refuses a directory that already holds checkpoints, unless --overwrite, which moves
     the old run (checkpoints, config.json, metrics.jsonl) into OUT_DIR/previous-TIME/ rather than deleting it."""
     out = Path(cfg.out_dir)
-    if cfg.resume != "never" or not ckpt.list_steps(out):
+    steps = ckpt.list_steps(out) if cfg.resume == "never" else []
+    if not steps:
         return
     if not cfg.overwrite:
-        raise TrainError(f"{out} already holds checkpoints (steps {ckpt.list_steps(out)}) and --resume never was "
+        raise TrainError(f"{out} already holds checkpoints (steps {steps}) and --resume never was "
                          f"given; use --resume auto to continue that run, another --out-dir, or --overwrite to "
                          f"move the old run aside into {out}/previous-*/")
     if d.master:
@@ -413,7 +416,6 @@ def _train(cfg: TrainConfig, d: Dist):
 
     # data: refused before anything is built or written if missing, malformed, or beyond the vocabulary
     sources, weights, val, vocab, tokenizer, tokenizer_dir = open_data(cfg, tmp.name)
-    synthetic = cfg.data == ["synthetic"]
     batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len,
                            d.rank, d.world_size, cfg.seed, weights, device, prefetch=cfg.device == "cuda")
     accum = batches.accum_steps
@@ -441,7 +443,7 @@ def _train(cfg: TrainConfig, d: Dist):
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
         if tokenizer and tokenizer.get("name") == "file":  # sample.py finds the tokenizer beside the checkpoints
             shutil.copy(Path(tokenizer_dir) / tokenizer["file"], Path(cfg.out_dir) / tokenizer["file"])
-    header(log, cfg, model, cfg.device, d, accum, sources, weights, val, tokens_per_step, synthetic)
+    header(log, cfg, model, d, accum, sources, weights, val)
     log.start_progress(step, cfg.max_steps)
     wandb_run, run_id = start_wandb(cfg, run_id, log)
 

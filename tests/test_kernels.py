@@ -32,7 +32,6 @@ def ssd_masked(x, q, k, log_a, gamma, beta, state=None):
     """MAMBA3.md §2's masked form, written independently of kernels.py: one (L x L) weight matrix per
     (b, h), with decay(t, s) = exp(sum_{r=s+1..t} log_a_r)."""
     B, L, H, P = x.shape
-    N = q.shape[-1]
     cs = torch.cumsum(log_a, dim=1)  # (B, L, H)
     t, s = torch.arange(L)[:, None], torch.arange(L)[None, :]
     decay = torch.exp((cs[:, :, None, :] - cs[:, None, :, :]).masked_fill((s > t)[None, :, :, None], -math.inf))
