@@ -1,6 +1,6 @@
 """Token sources and the batches a training step sees.
 
-Sources (DESIGN §2.1-2.2), all opened by `open_tokens(path, split)` and read through memory maps:
+Sources, all opened by `open_tokens(path, split)` and read through memory maps:
   - a prepare.py directory: `manifest.json` + `train_00000.bin ...` + `val_00000.bin ...`
   - a raw token file, such as nanoGPT's `train.bin` (uint16 unless `dtype` says otherwise)
   - a nanoGPT data directory holding `train.bin` and `val.bin`
@@ -8,7 +8,7 @@ Sources (DESIGN §2.1-2.2), all opened by `open_tokens(path, split)` and read th
   - a Megatron-LM indexed dataset, given by its prefix (`PREFIX.bin` + `PREFIX.idx`)
 Every one of them is one token stream: the concatenation of its files in order.
 
-Windows and order (DESIGN §5): sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
+Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
 targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of
 all windows, a pure function of (seed, source, epoch). Global sample g is the g-th entry of that endless
 sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-step m on rank r takes the
@@ -16,6 +16,7 @@ contiguous slice starting at s*G + (m*world_size + r)*micro_batch. The whole loa
 count of consumed samples (plus, when blending, how many of them came from each source).
 """
 import bisect
+import contextlib
 import json
 import math
 import queue
@@ -86,13 +87,11 @@ class TokenSource:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
         self._strided = {}  # seq_len -> (windows, seq_len + 1) strided view, for single-file sources
         self._first_windows = {}  # seq_len -> (files + 1,) first window starting in each file
+        self._vocab, self._unchecked = None, set()  # set by check_vocab: files whose ids windows() still checks
 
     def __repr__(self):
         tokens = f"{self.num_tokens:,} {self.dtype.name} tokens"
         return f"TokenSource({str(self.path)!r}, {tokens} in {len(self.files)} files)"
-
-    def __len__(self):
-        return self.num_tokens
 
     @property
     def max_token_id(self) -> int:
@@ -127,6 +126,10 @@ class TokenSource:
         or written into `out` when given: a C-contiguous array of any dtype that holds the tokens (Batches
         passes int64, so the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
+        if self._unchecked:  # until every file has been checked once: those these windows touch
+            lo, hi = np.searchsorted(self._starts_array, [ids * seq_len, ids * seq_len + seq_len], side="right") - 1
+            for k in self._unchecked & {k for a, b in zip(lo.tolist(), hi.tolist()) for k in range(a, b + 1)}:
+                self._check_file(k)
         if len(self._segments) == 1:
             # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
             view = self._strided.get(seq_len)
@@ -163,6 +166,19 @@ class TokenSource:
                 h, k = h + len(piece), k + 1
         np.concatenate(pieces, out=out.reshape(-1))  # a view of out, which is C-contiguous
         return out
+
+
+    def _check_file(self, k):
+        # A shard changed after prepare.py wrote it (same size, so only `prepare.py verify` would notice) must not
+        # reach the model as an index error deep in a step: one vectorised pass over each file, once.
+        seg = self._segments[k]
+        bad = np.flatnonzero((seg >= self._vocab) | (seg < 0)) if seg.max() >= self._vocab or seg.min() < 0 else []
+        if len(bad):
+            raise DataError(f"{self.files[k]}: token id {seg[bad[0]]} at token offset {bad[0]} (byte "
+                            f"{bad[0] * self.dtype.itemsize}) is outside [0, {self._vocab}) of the model's vocabulary, "
+                            f"although the manifest says otherwise: was the file changed after prepare.py wrote it? "
+                            f"`python prepare.py verify {self.path}` checks every shard")
+        self._unchecked.discard(k)
 
 
 def _raise_open_file_limit(n_files: int):
@@ -252,7 +268,7 @@ def _listing(p, limit=8):
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json` (DESIGN §2.1); raise DataError saying what is wrong.
+    """Read and check `directory/manifest.json` ; raise DataError saying what is wrong.
 
     Layout: {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
              "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file", "tokens",
@@ -316,7 +332,7 @@ def _open_manifest(directory, split, dtype):
 
 
 # -----------------------------------------------------------------------------
-# Megatron-LM indexed datasets (DESIGN §2.2)
+# Megatron-LM indexed datasets
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
@@ -327,9 +343,10 @@ def _open_megatron(prefix, dtype):
     idx, binf = Path(str(prefix) + ".idx"), Path(str(prefix) + ".bin")
     if not binf.exists():
         raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and {binf.name}")
+    size = idx.stat().st_size
+    if size < MEGATRON_HEADER.size:
+        raise DataError(f"{idx}: expected a {MEGATRON_HEADER.size}-byte header at least, found {size} bytes")
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy it
-    if len(raw) < MEGATRON_HEADER.size:
-        raise DataError(f"{idx}: expected a {MEGATRON_HEADER.size}-byte header at least, found {len(raw)} bytes")
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(bytes(raw[: MEGATRON_HEADER.size]))
     if magic != MEGATRON_MAGIC:
         raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a Megatron index")
@@ -387,7 +404,11 @@ def _open_megatron(prefix, dtype):
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
-    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model."""
+    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A source whose range
+    comes from its manifest is trusted now and each file checked once more the first time windows() reads it
+    (a shard edited after prepare.py keeps its size, and the manifest cannot know)."""
+    source._vocab = vocab_size
+    source._unchecked = set(range(len(source.files))) if source._min_token_id is not None else set()
     top = source.max_token_id
     if source._min_token_id is None:
         source._scan()
@@ -405,32 +426,25 @@ def check_vocab(source: TokenSource, vocab_size: int):
 
 
 class Batches:
-    """The endless sequence of this rank's micro-batches, per DESIGN §5 (see the module doc).
+    """The endless sequence of this rank's micro-batches (see the module doc).
 
     Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device` with y[:, j] == x[:, j+1],
     for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn. Both are views of one (micro_batch,
     seq_len + 1) buffer offset by a token (one copy of the tokens, one transfer to a GPU), so they are not
     contiguous: call .contiguous() where a consumer needs it (the model does not).
-      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them: global
-        sample g goes to the source furthest behind its share (earliest deadline among sources not ahead of
-        it), so that on every prefix of n samples each source's count is within one sample of n * weight.
+      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them (see `_blend`).
       - global_batch: sequences per optimizer step over all ranks and micro-steps; it must be a multiple of
         micro_batch * world_size, and accum_steps = global_batch // (micro_batch * world_size).
-      - order_fn(epoch, order) -> order: the curriculum hook. It receives each epoch's shuffled window ids
-        (a 1-D integer array, for every source in turn) and returns the ids to use for that epoch, reordered,
-        filtered or repeated; it must be a deterministic function of its arguments, and return ids in
-        [0, len(order)). Without it an epoch is every window once.
-      - prefetch: build the next micro-batch in a background thread while the caller trains on this one.
+      - prefetch: build micro-batches in a background thread while the caller trains on the current one.
       - device: CUDA targets get pinned host memory and non_blocking copies.
     state_dict() is a few numbers: consumed samples, per-source counts, and the settings that define the
     sequence (global_batch, seq_len, seed, weights). load_state_dict() accepts a state saved with another
     world_size or micro_batch (elastic resume) and refuses one saved with another global_batch, seq_len,
     seed or blend. With prefetch the state is what the caller has taken, not what the thread has built.
-    Orders cost 4 bytes per window of memory (8 beyond 2**32 windows), for at most two epochs per source.
     """
 
     def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0, weights=None,
-                 device="cpu", prefetch=False, order_fn=None):
+                 device="cpu", prefetch=False):
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
         if not self.sources:
             raise DataError("Batches: expected at least one token source, found none")
@@ -442,114 +456,73 @@ class Batches:
             raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank {rank}")
         if int(seed) != seed or seed < 0:
             raise DataError(f"Batches: expected a non-negative integer seed, found {seed!r}")
-        if global_batch % (micro_batch * world_size):
-            per_step = micro_batch * world_size
+        per_step = micro_batch * world_size
+        if global_batch % per_step:
             raise DataError(
-                f"global batch {global_batch} sequences is not a multiple of micro_batch {micro_batch} x "
-                f"world_size {world_size} = {per_step}; pick sizes where it is (for example a global batch of "
+                f"global batch {global_batch} sequences is not a multiple of micro_batch {micro_batch} x world_size "
+                f"{world_size} = {per_step}; pick sizes where it is (for example a global batch of "
                 f"{max(1, round(global_batch / per_step)) * per_step})"
             )
         self.seq_len, self.micro_batch, self.global_batch = int(seq_len), int(micro_batch), int(global_batch)
         self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
-        self.accum_steps = global_batch // (micro_batch * world_size)
+        self.accum_steps = global_batch // per_step
+        self._num_windows = [(s.num_tokens - 1) // self.seq_len for s in self.sources]
+        for s, n in zip(self.sources, self._num_windows):
+            if n < 1:
+                raise DataError(f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}")
+        self.weights = _blend_weights(weights, len(self.sources))
+        D = math.lcm(*(w.denominator for w in self.weights))
+        self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
         import torch
 
         self._torch, self.device = torch, torch.device(device)
-        self._cuda = self.device.type == "cuda"  # pinned memory and non_blocking copies
-        self.order_fn = order_fn
-        self._num_windows = []
-        for s in self.sources:
-            n = (s.num_tokens - 1) // self.seq_len
-            if n < 1:
-                raise DataError(
-                    f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}"
-                )
-            self._num_windows.append(n)
-        self._weights = _blend_weights(weights, len(self.sources))
-        D = math.lcm(*(w.denominator for w in self._weights))
-        self._shares = [int(w * D) for w in self._weights], D  # weight k == a[k] / D exactly
-        # The state: global samples consumed by all ranks together, and how many came from each source.
+        # the state: global samples consumed by all ranks together, and how many came from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two epochs kept)
-        self._epoch_starts = [[0] for _ in self.sources]  # per source, with order_fn: first sample of each epoch
-        self._lock = threading.Lock()  # the order caches are shared by the prefetch thread and `epochs`
-        self.prefetch = prefetch
-        self._thread = None
-        # Gathered windows before conversion: reused, as only one thread builds batches at a time.
-
-    # --- the public face
+        self._lock = threading.Lock()  # the order caches are shared with the prefetch thread
+        self._prefetch = _Prefetch(self._build) if prefetch else None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if not self.prefetch:
-            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
-            return x, y
-        if self._thread is None:
-            self._start_prefetch()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self._thread = None
-            raise item
-        x, y, self._consumed, self._counts = item
+        build = self._prefetch or self._build
+        x, y, self._consumed, self._counts = build(self._consumed, self._counts)
         return x, y
 
-    @property
-    def consumed(self) -> int:
-        """Global samples (sequences) taken so far by all ranks together."""
-        return self._consumed
-
-    @property
-    def epochs(self) -> list:
-        """Per source, the epoch its next sample comes from."""
-        with self._lock:
-            return [int(self._locate(k, np.array([c]))[0][0]) for k, c in enumerate(self._counts)]
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the first source's next sample (for a single source: the epoch)."""
-        return self.epochs[0]
-
     def state_dict(self) -> dict:
-        return {
-            "consumed": self._consumed, "source_consumed": list(self._counts), "global_batch": self.global_batch,
-            "seq_len": self.seq_len, "seed": self.seed, "weights": [str(w) for w in self._weights],
-        }
+        return {"consumed": self._consumed, "source_consumed": list(self._counts), "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "seed": self.seed, "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
         want = {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
-                "weights": [str(w) for w in self._weights]}
+                "weights": [str(w) for w in self.weights]}
         for key, mine in want.items():
             if key not in state:
                 raise DataError(f"loader state: expected a {key!r} entry, found keys {sorted(state)}")
             if state[key] != mine:
-                raise DataError(
-                    f"loader state: saved with {key} = {state[key]}, but this run has {key} = {mine}; the sample "
-                    f"sequence depends on it, so a resume must keep it (or start a fresh run)"
-                )
+                raise DataError(f"loader state: saved with {key} = {state[key]}, but this run has {key} = {mine}; the "
+                                f"sample sequence depends on it, so a resume must keep it (or start a fresh run)")
         consumed, counts = int(state["consumed"]), tuple(int(c) for c in state["source_consumed"])
         if len(counts) != len(self.sources) or sum(counts) != consumed:
-            raise DataError(
-                f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, "
-                f"found {list(counts)}"
-            )
+            raise DataError(f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, "
+                            f"found {list(counts)}")
         step = self.micro_batch * self.world_size
         if (consumed % self.global_batch) % step:
-            raise DataError(
-                f"loader state: saved {consumed % self.global_batch} samples into an optimizer step, which is not a "
-                f"whole number of micro_batch x world_size = {step} samples; resume from a step boundary"
-            )
-        self._stop_prefetch()
+            raise DataError(f"loader state: saved {consumed % self.global_batch} samples into an optimizer step, which "
+                            f"is not a whole number of micro_batch x world_size = {step} samples; resume from a "
+                            f"step boundary")
+        self.close()
         self._consumed, self._counts = consumed, counts
 
     def close(self):
-        """Stop the prefetch thread, if any."""
-        self._stop_prefetch()
-
-    # --- one micro-batch, as a pure function of the state
+        """Stop the prefetch thread, if one runs (the next batch starts it again)."""
+        if self._prefetch is not None:
+            self._prefetch.stop()
 
     def _build(self, consumed, counts):
+        """This rank's micro-batch starting at global sample `consumed`, as a pure function of the state:
+        (x, y, consumed, counts) with the state after the whole micro-step (all ranks)."""
         B, L = self.micro_batch, self.seq_len
         g = self._empty_batch()  # (B, L + 1) int64: the windows, converted on the way in
         if len(self.sources) == 1:
@@ -558,75 +531,37 @@ class Batches:
             self.sources[0].windows(ids, L, out=g)
             counts = (counts[0] + B * self.world_size,)
         else:
-            src, first, counts = self._assign(consumed, counts)
+            src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, B * self.world_size)
             for k in np.unique(src).tolist():
                 rows = np.flatnonzero(src == k)  # a source's samples in a batch are consecutive in its order
                 with self._lock:
                     ids = self._window_ids(k, int(first[rows[0]]), len(rows))
                 g[rows] = self.sources[k].windows(ids, L)
         # x and y are views of the one buffer, offset by a token: one copy of the tokens, one transfer
-        if self._cuda:
+        if self.device.type == "cuda":
             g = self._torch.from_numpy(g).to(self.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + B * self.world_size, counts
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: it shows at 15 us a batch)
         x, y = self._torch.from_numpy(g[:, :-1]), self._torch.from_numpy(g[:, 1:])
         return x, y, consumed + B * self.world_size, counts
 
-    def _assign(self, consumed, counts):
-        """Blending: the source and per-source sample index of this rank's B samples of the micro-step that
-        starts at global sample `consumed`, and the per-source counts after the whole micro-step (all ranks)."""
-        B, n = self.micro_batch, self.micro_batch * self.world_size
-        lo = self.rank * B
-        # Earliest deadline first among the sources not ahead of their share, in exact integer arithmetic:
-        # weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) * a[k] / D, and its next
-        # sample's deadline is (c[k] + 1) / a[k]. This keeps every prefix within one sample of its share (the
-        # simpler "largest deficit first" does not: tests/test_data.py has weights where it strays further).
-        a, D = self._shares
-        c = list(counts)
-        src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
-        for i in range(n):
-            g = consumed + i
-            best = -1
-            for k in range(len(c)):
-                if c[k] * D < (g + 1) * a[k] and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
-                    best = k
-            if lo <= i < lo + B:
-                src[i - lo], idx[i - lo] = best, c[best]
-            c[best] += 1
-        return src, idx, tuple(c)
-
     def _window_ids(self, k, first, n):
-        """Window ids of source k's samples first, first + 1, ..., first + n - 1."""
-        if self.order_fn is None:
-            e, p = divmod(first, self._num_windows[k])
-            if p + n <= self._num_windows[k]:
-                return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
-        epochs, pos = self._locate(k, np.arange(first, first + n))
-        out = np.empty(n, np.int64)
-        for e in np.unique(epochs).tolist():
-            m = epochs == e
-            out[m] = self._order(k, e)[pos[m]]
-        return out
-
-    def _locate(self, k, idx):
-        """(epoch, position in that epoch's order) of source k's samples `idx`."""
-        if self.order_fn is None:
-            return idx // self._num_windows[k], idx % self._num_windows[k]
-        starts = self._epoch_starts[k]
-        while starts[-1] <= idx.max():  # epoch lengths are known only by computing their orders
-            starts.append(starts[-1] + len(self._order(k, len(starts) - 1)))
-        e = np.searchsorted(starts, idx, side="right") - 1
-        return e, idx - np.asarray(starts)[e]
+        """Window ids of source k's samples first, first + 1, ..., first + n - 1: slices of epoch orders."""
+        W = self._num_windows[k]
+        e, p = divmod(first, W)
+        if p + n <= W:
+            return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
+        idx = np.arange(first, first + n)
+        epochs, pos = idx // W, idx % W
+        return np.concatenate([self._order(k, e)[pos[epochs == e]] for e in np.unique(epochs).tolist()])
 
     def _order(self, k, epoch):
-        """Source k's window order for `epoch`: a pure function of (seed, k, epoch) and order_fn."""
+        """Source k's window order for `epoch`: a permutation drawn from (seed, k, epoch) alone."""
         cache = self._orders[k]
         if epoch not in cache:
             W = self._num_windows[k]
-            order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # (W,)
+            order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
             np.random.default_rng([self.seed, k, epoch]).shuffle(order)
-            if self.order_fn is not None:
-                order = _check_order(self.order_fn(epoch, order), W, epoch)
             while len(cache) >= 2:
                 cache.pop(min(cache))
             cache[epoch] = order
@@ -634,42 +569,72 @@ class Batches:
 
     def _empty_batch(self):
         shape = (self.micro_batch, self.seq_len + 1)
-        if not self._cuda:
+        if self.device.type != "cuda":
             return np.empty(shape, np.int64)
-        # Pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True).
+        # pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True)
         return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()  # filled in place
 
-    # --- prefetch: a thread builds micro-batches ahead; each carries the state after it
 
-    def _start_prefetch(self):
-        self._queue, self._stop = queue.Queue(maxsize=2), threading.Event()
-        self._thread = threading.Thread(target=self._prefetch_loop, args=(self._consumed, self._counts), daemon=True)
-        self._thread.start()
+def _blend(consumed, counts, shares, lo, B, n):
+    """Blending: the source and per-source sample index of samples [lo, lo + B) of the micro-step of n samples
+    that starts at global sample `consumed`, and the per-source counts after the whole micro-step.
 
-    def _prefetch_loop(self, consumed, counts):
+    Earliest deadline first among the sources not ahead of their share, in exact integer arithmetic: weight
+    k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) * a[k] / D, and its next sample's
+    deadline is (c[k] + 1) / a[k]. Every prefix of the sequence is then within one sample of its shares (the
+    simpler "largest deficit first" is not: tests/test_data.py has weights where it strays further)."""
+    a, D = shares
+    c = list(counts)
+    src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
+    for i in range(n):
+        g, best = consumed + i, -1
+        for k in range(len(c)):
+            if c[k] * D < (g + 1) * a[k] and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
+                best = k
+        if lo <= i < lo + B:
+            src[i - lo], idx[i - lo] = best, c[best]
+        c[best] += 1
+    return src, idx, tuple(c)
+
+
+class _Prefetch:
+    """build(consumed, counts) run ahead in a thread: each item carries the state after it, so the caller's
+    state is what it has taken. Called like build itself; restarts from the caller's state after stop()."""
+
+    def __init__(self, build):
+        self.build, self.thread = build, None
+
+    def __call__(self, consumed, counts):
+        if self.thread is None:
+            self.queue, self.stopping = queue.Queue(maxsize=2), threading.Event()
+            self.thread = threading.Thread(target=self._loop, args=(consumed, counts), daemon=True)
+            self.thread.start()
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            self.thread = None
+            raise item
+        return item
+
+    def _loop(self, consumed, counts):
         try:
-            while not self._stop.is_set():
-                item = self._build(consumed, counts)
+            while not self.stopping.is_set():
+                item = self.build(consumed, counts)
                 consumed, counts = item[2], item[3]
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
+                while not self.stopping.is_set():
+                    with contextlib.suppress(queue.Full):
+                        self.queue.put(item, timeout=0.1)
                         break
-                    except queue.Full:
-                        pass
         except BaseException as e:  # handed to the consumer, which raises it
-            self._queue.put(e)
+            self.queue.put(e)
 
-    def _stop_prefetch(self):
-        if self._thread is None:
-            return
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                self._thread.join(0.05)
-        self._thread = None
+    def stop(self):
+        if self.thread is not None:
+            self.stopping.set()
+            while self.thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    self.queue.get_nowait()
+                self.thread.join(0.05)
+            self.thread = None
 
 
 def _blend_weights(weights, n):
@@ -684,20 +649,6 @@ def _blend_weights(weights, n):
     if any(w <= 0 for w in ws):
         raise DataError(f"Batches: expected positive weights, found {list(weights)}")
     return [w / sum(ws) for w in ws]
-
-
-def _check_order(order, num_windows, epoch):
-    order = np.asarray(order)
-    if order.ndim != 1 or order.dtype.kind not in "iu" or len(order) == 0:
-        raise DataError(
-            f"order_fn: expected a non-empty 1-D integer array of window ids for epoch {epoch}, "
-            f"found {order.dtype} with shape {order.shape}"
-        )
-    if order.min() < 0 or order.max() >= num_windows:
-        raise DataError(
-            f"order_fn: expected window ids in [0, {num_windows}) for epoch {epoch}, found {order.min()}..{order.max()}"
-        )
-    return order
 
 
 # -----------------------------------------------------------------------------

@@ -145,8 +145,11 @@ def test_resume_step_is_honoured(corpus, tmp_path):
     # step 12 is the newest checkpoint, but --resume 4 must load step 4 and train steps 5-12 again
     text = run(*args, "--resume", 4)
     assert "resumed from" in text and "step 4" in text
-    steps = [r["step"] for r in records(out)]
-    assert steps == list(range(1, 13)) + list(range(5, 13))
+    # the abandoned branch (steps 8 and 12 and their records) was moved aside, not deleted or mixed in
+    aside = next(out.glob("abandoned-*"))
+    assert sorted(p.name for p in aside.glob("meta_step_*")) == ["meta_step_12.json", "meta_step_8.json"]
+    assert [r["step"] for r in records(aside)] == list(range(5, 13))
+    assert [r["step"] for r in records(out)] == list(range(1, 13))
     assert_same_weights(original, weights(out, 12))
     # a run that has reached --max-steps resumed with fewer steps is a clean error, not a silent choice
     assert "below the resumed step 12" in run(*args[:-4], "--max-steps", 8, "--out-dir", out, expect=2)
@@ -242,20 +245,33 @@ def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
 
 def test_blended_sources(corpus, tmp_path):
     text = run("--data", f"{corpus}:3", "--data", f"{corpus}:1", *BASE, "--max-steps", 2, "--out-dir", tmp_path)
-    assert "weight 3" in text and "weight 1" in text
+    assert "(75% of the samples)" in text and "(25% of the samples)" in text
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--model", "huge"], "not a preset"),
     (["--vocab-size", "100"], "vocab_size 100"),
     (["--total-batch-size", "100"], "not a multiple of --seq-len"),
     (["--total-batch-size", "96"], "not a multiple of micro_batch"),
     (["--resume", "7"], "step 7"),
-    (["--schedule", "linear"], "cosine or wsd"),
+    (["--resume", "latest"], "expected auto, never or a step number"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--lr", "-1"], "--lr must be positive"),
 ])
 def test_clean_errors(corpus, tmp_path, extra, message):
-    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", tmp_path, *extra, expect=2)
+    out = tmp_path / "run"
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, *extra, expect=2)
     assert message in text and "Traceback" not in text and text.startswith("error:")
+    assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("extra", [["--model", "huge"], ["--schedule", "linear"], ["--dtype", "fp8"],
+                                   ["--device", "tpu"], ["--seed", "-1"], ["--keep-last", "-1"], ["--save-every", "0"],
+                                   ["--eval-every", "0"], ["--eval-batches", "0"], ["--log-every", "0"],
+                                   ["--max-steps", "0"], ["--nan-guard", "-1"]])
+def test_flags_out_of_range_are_usage_errors(corpus, tmp_path, extra):
+    out = tmp_path / "run"
+    text = run("--data", corpus, *BASE, "--out-dir", out, *extra, expect=2)
+    assert f"Invalid value for '{extra[0]}'" in text and "Traceback" not in text and not out.exists()
 
 
 def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
