@@ -271,7 +271,9 @@ def _parquet_texts(path, text_field):
     import pyarrow.parquet as pq
 
     try:
-        with pq.ParquetFile(path) as pf:
+        # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the reader, so
+        # memory would grow with the file: read one row group's column in 1 MiB pieces instead.
+        with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as pf:
             for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
                 for raw in batch.column(0).cast(pa.large_binary()).to_pylist():
                     yield raw or b""
