@@ -2,15 +2,18 @@
 
     python prepare.py                                      # demo corpus: Python's own stdlib sources -> data/demo
     python prepare.py corpus/ extra.jsonl.gz --out data/mine --tokenizer gpt2
+    python prepare.py fineweb/*.parquet --out data/web     # Parquet: one row per document, the "text" column
     python prepare.py verify data/mine                     # re-hash and range-check every shard
     python prepare.py info data/mine                       # statistics and a decoded sample
 
 Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py files (one file is
-one document) and .jsonl files (one line is one document: its "text" field), each optionally gzipped. Every
-document is followed by the tokenizer's EOS id. Documents go, in input order, to the validation split when
-ceil(n * f) grows at document n (so the first document, and then every 1/f-th, when f > 0), else to train;
-each split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in --workers
-processes; results come back in input order, so the output is byte-identical for any worker count.
+one document) and .jsonl files (one line is one document: its "text" field), each optionally gzipped, and .parquet
+files (one row is one document: its "text" column, read alone, a slice of a row group at a time; a null is an empty
+document); --text-field names another field or column. Every document is followed by the tokenizer's EOS id.
+Documents go, in input order, to the validation split when ceil(n * f) grows at document n (so the first document,
+and then every 1/f-th, when f > 0), else to train; each split is cut into shards of about --shard-tokens tokens at
+document ends. Tokenization runs in --workers processes; results come back in input order, so the output is
+byte-identical for any worker count.
 
 The output is built in a hidden sibling directory (shards fsynced and renamed, manifest.json last) and swapped
 into place only when complete, so a failure or a kill never leaves a half-written directory that looks valid,
@@ -46,6 +49,7 @@ EOS_TEXT = "<|endoftext|>"
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in tokenizer files
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 BATCH_BYTES = 1 << 20  # text per task sent to a worker: large enough to amortise the inter-process copy
+PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice of one row group
 
 # -----------------------------------------------------------------------------
 # tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(list[int]) -> str,
@@ -189,6 +193,8 @@ def _sha256(path, chunk=1 << 24):
 
 
 def _kind(path: Path):
+    if path.name.endswith(".parquet"):  # compressed inside, never gzipped as a whole
+        return "parquet"
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     if name.endswith(".jsonl"):
         return "jsonl"
@@ -205,7 +211,8 @@ def find_inputs(paths) -> list:
         if p.is_file():
             if _kind(p) is None:
                 found = p.suffix or "no suffix"
-                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz), found {found}")
+                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) or a .parquet "
+                                f"file, found {found}")
             files.append(p)
             continue
         found = []
@@ -215,7 +222,8 @@ def find_inputs(paths) -> list:
         files += sorted(found, key=lambda f: f.relative_to(p).parts)
     files = list(dict.fromkeys(files))  # a file named twice is read once
     if not files:
-        raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, .py or .jsonl files")
+        raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, .py, .jsonl or "
+                        ".parquet files")
     return files
 
 
@@ -233,9 +241,53 @@ def demo_inputs(root=None) -> list:
     return files
 
 
-def read_documents(files):
-    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file or line at a time."""
+def check_parquet(files, text_field="text"):
+    """Check, from the footers alone, that every .parquet file among `files` is one and has a string column
+    `text_field`."""
+    parquet = [f for f in files if _kind(f) == "parquet"]
+    if not parquet:
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for f in parquet:
+        try:
+            schema = pq.read_schema(f)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{f}: expected a Parquet file, found one pyarrow cannot read ({e})") from None
+        if text_field not in schema.names:
+            raise DataError(f"{f}: expected a column {text_field!r} (--text-field), found the columns "
+                            f"{', '.join(map(repr, schema.names))}")
+        t = schema.field(text_field).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+            raise DataError(f"{f}: expected column {text_field!r} to hold text (an Arrow string type), found {t}; "
+                            "name the text column with --text-field")
+
+
+def _parquet_texts(path, text_field):
+    """The raw UTF-8 bytes of each row's text (b"" for a null), reading only that column, a slice of one row
+    group at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the reader, so
+        # memory would grow with the file: read one row group's column in 1 MiB pieces instead.
+        with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as pf:
+            for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
+                for raw in batch.column(0).cast(pa.large_binary()).to_pylist():
+                    yield raw or b""
+    except (pa.ArrowException, OSError) as e:  # a corrupt page or row group, a file gone
+        raise DataError(f"{path}: could not read it as Parquet ({e})") from None
+
+
+def read_documents(files, text_field="text"):
+    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file, line or slice of a
+    Parquet row group at a time. A Parquet row is a "text" document: its bytes are the text."""
     for i, f in enumerate(files):
+        if _kind(f) == "parquet":
+            yield from (("text", raw, (i, 0)) for raw in _parquet_texts(f, text_field))
+            continue
         opener = gzip.open if f.name.endswith(".gz") else open
         try:
             with opener(f, "rb") as fh:
@@ -283,7 +335,7 @@ def _decode(raw: bytes):
         return text, text.count("\ufffd") - raw.count("\ufffd".encode())
 
 
-def _encode_batch(items, dtype):
+def _encode_batch(items, dtype, text_field):
     """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for an empty
     document, which is skipped, undecodable count, None or (item index, error message))."""
     tok = _TOKENIZER
@@ -296,10 +348,11 @@ def _encode_batch(items, dtype):
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 return None, None, bad, (i, f"expected one JSON object per line, found invalid JSON ({e})")
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
                 found = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
-                return None, None, bad, (i, f'expected a JSON object with a string "text" field, found {found}')
-            text = obj["text"]
+                return None, None, bad, (i, f"expected a JSON object with a string {json.dumps(text_field)} field "
+                                            f"(--text-field), found {found}")
+            text = obj[text_field]
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes cannot be UTF-8
@@ -316,17 +369,17 @@ def _encode_batch(items, dtype):
     return tokens, np.asarray(lengths, dtype=np.int64), bad, None
 
 
-def _encoded(files, dtype, pool, workers):
+def _encoded(files, dtype, pool, workers, text_field):
     """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order, with at most
     2 x workers batches in flight, so memory stays bounded whatever the corpus size. No pool: this process."""
-    batches = _batched(read_documents(files))
+    batches = _batched(read_documents(files, text_field))
     if pool is None:
         for items, origins in batches:
-            yield origins, *_encode_batch(items, dtype)
+            yield origins, *_encode_batch(items, dtype, text_field)
         return
     pending = deque()
     for items, origins in batches:
-        pending.append((origins, pool.apply_async(_encode_batch, (items, dtype))))
+        pending.append((origins, pool.apply_async(_encode_batch, (items, dtype, text_field))))
         if len(pending) >= 2 * workers:
             origins, result = pending.popleft()
             yield origins, *result.get()
@@ -437,7 +490,7 @@ def _check_out(out: Path, files, overwrite: bool) -> bool:
 
 
 def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=0.0005, workers=None,
-            overwrite=False, eos_token=None, progress=False, log=print) -> dict:
+            overwrite=False, eos_token=None, progress=False, log=print, text_field="text") -> dict:
     """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the manifest.
 
     All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced only once
@@ -449,6 +502,7 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise DataError(f"--workers: expected at least 1, found {workers}")
+    check_parquet(files, text_field)
     out = Path(out)
     tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
     replacing = _check_out(out, files, overwrite)
@@ -465,7 +519,8 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     t0 = time.perf_counter()
     try:
         f = Fraction(str(val_fraction)).limit_denominator(10**9)
-        stats = _tokenize_into(staging, files, worker_spec, worker_dir, dtype, shard_tokens, f, workers, progress)
+        stats = _tokenize_into(staging, files, text_field, worker_spec, worker_dir, dtype, shard_tokens, f, workers,
+                               progress)
         if stats["train"] == []:
             raise DataError(
                 f"all {stats['documents']} documents went to the validation split, none is left for training: "
@@ -513,16 +568,16 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     return manifest
 
 
-def _tokenize_into(directory, files, worker_spec, worker_dir, dtype, shard_tokens, f, workers, show):
+def _tokenize_into(directory, files, text_field, worker_spec, worker_dir, dtype, shard_tokens, f, workers, show):
     if workers == 1:
         _init_worker(worker_spec, worker_dir)
-        return _write_splits(directory, files, dtype, shard_tokens, f, None, 1, show)
+        return _write_splits(directory, files, text_field, dtype, shard_tokens, f, None, 1, show)
     # The pool starts before the progress bar's refresh thread: forking a process that runs threads is unsafe.
     with multiprocessing.get_context().Pool(workers, _init_worker, (worker_spec, worker_dir)) as pool:
-        return _write_splits(directory, files, dtype, shard_tokens, f, pool, workers, show)
+        return _write_splits(directory, files, text_field, dtype, shard_tokens, f, pool, workers, show)
 
 
-def _write_splits(directory, files, dtype, shard_tokens, f, pool, workers, show):
+def _write_splits(directory, files, text_field, dtype, shard_tokens, f, pool, workers, show):
     writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
     docs = empty = undecodable = tokens = 0
     columns = [TextColumn("[bold]tokenizing"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
@@ -530,7 +585,7 @@ def _write_splits(directory, files, dtype, shard_tokens, f, pool, workers, show)
                TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
     t0 = time.perf_counter()
     with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
-            closing(_encoded(files, dtype, pool, workers)) as stream:
+            closing(_encoded(files, dtype, pool, workers, text_field)) as stream:
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
@@ -652,8 +707,8 @@ def _fail(e):
 
 def main(
     inputs: Optional[List[Path]] = typer.Argument(
-        None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz). None: the demo corpus, "
-        "Python's standard library sources."),
+        None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz) and .parquet. None: the demo "
+        "corpus, Python's standard library sources."),
     out: Optional[Path] = typer.Option(
         None, "--out", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
     tokenizer: Optional[str] = typer.Option(
@@ -667,6 +722,8 @@ def main(
     eos_token: Optional[str] = typer.Option(
         None, help=f"The end-of-document token of a tokenizer file, when it is not one of {', '.join(EOS_TOKENS)}."),
     overwrite: bool = typer.Option(False, help="Replace an --out that holds something other than a previous output."),
+    text_field: str = typer.Option(
+        "text", help="The text column of .parquet files and the text field of .jsonl records."),
 ):
     """Tokenize text into shards + manifest.json for train.py (DESIGN §2.1).
 
@@ -683,7 +740,8 @@ def main(
             console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's standard library")
         prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), shard_tokens,
                 val_fraction if val_fraction is not None else (0.0005 if inputs else 0.01), workers, overwrite,
-                eos_token, progress=True, log=lambda s: console.print(s, markup=False, highlight=False))
+                eos_token, progress=True, log=lambda s: console.print(s, markup=False, highlight=False),
+                text_field=text_field)
     except (DataError, OSError) as e:
         _fail(e)
 
