@@ -1,8 +1,8 @@
-"""Turn text into the token shards data.py reads (DESIGN §2.1, §3).
+"""Turn text into the token shards data.py reads.
 
     python prepare.py                                      # demo corpus: Python's own stdlib sources -> data/demo
-    python prepare.py corpus/ extra.jsonl.gz --out data/mine --tokenizer gpt2
-    python prepare.py fineweb/*.parquet --out data/web     # Parquet: one row per document, the "text" column
+    python prepare.py corpus/ extra.jsonl.gz --out-dir data/mine --tokenizer gpt2
+    python prepare.py fineweb/*.parquet --out-dir data/web     # Parquet: one row per document, the "text" column
     python prepare.py verify data/mine                     # re-hash and range-check every shard
     python prepare.py info data/mine                       # statistics and a decoded sample
 
@@ -19,6 +19,7 @@ The output is built in a hidden sibling directory (shards fsynced and renamed, m
 into place only when complete, so a failure or a kill never leaves a half-written directory that looks valid,
 and never touches a previous output.
 """
+import contextlib
 import gzip
 import hashlib
 import json
@@ -39,6 +40,7 @@ from typing import List, Optional
 import numpy as np
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -466,14 +468,38 @@ def _split_summary(shards):
             "max_token_id": max((s["max_token_id"] for s in shards), default=0), "shards": shards}
 
 
+def _recover_swap(out: Path, log):
+    """A run killed between the two renames of its swap leaves the previous output in .OUT.old-PID and no OUT:
+    put it back. With OUT present the swap had finished; the old copy is only reported."""
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+        pid = int(old.name.rsplit("-", 1)[1])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 0)
+            continue  # that run is still going
+        if not out.exists():
+            os.rename(old, out)
+            log(f"note: restored {out} from {old}, left by a prepare.py run killed during its final swap")
+        else:
+            log(f"note: {old} is the output an interrupted prepare.py run replaced by {out}; delete it to free space")
+
+
+def _own_files(out: Path, overwrite: bool):
+    """The entries of a previous output that prepare.py did not write (none when --overwrite asks to replace)."""
+    if overwrite:
+        return []
+    m = read_manifest(out)
+    ours = {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values() for s in split["shards"]}
+    return [p for p in sorted(out.iterdir()) if p.name not in ours]
+
+
 def _check_out(out: Path, files, overwrite: bool) -> bool:
-    """Refuse an --out that would lose something; return True when it holds a previous output to replace."""
+    """Refuse an --out-dir that would lose something; return True when it holds a previous output to replace."""
     if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out}: expected a directory, found a file")
+        raise DataError(f"--out-dir {out}: expected a directory, found a file")
     resolved = out.resolve()
     for f in files:
         if resolved in f.resolve().parents:
-            raise DataError(f"--out {out}: contains the input {f}, and would be replaced; write somewhere else")
+            raise DataError(f"--out-dir {out}: contains the input {f}, and would be replaced; write somewhere else")
     if not out.exists() or not any(out.iterdir()):
         return False
     try:
@@ -484,8 +510,8 @@ def _check_out(out: Path, files, overwrite: bool) -> bool:
             return True
         names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
         raise DataError(
-            f"--out {out}: expected an empty directory or a previous prepare.py output, found other files "
-            f"({names}...); pick another --out, or pass --overwrite to replace it"
+            f"--out-dir {out}: expected an empty directory or a previous prepare.py output, found other files "
+            f"({names}...); pick another --out-dir, or pass --overwrite to replace it"
         ) from None
 
 
@@ -505,6 +531,7 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     check_parquet(files, text_field)
     out = Path(out)
     tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
+    _recover_swap(out, log)
     replacing = _check_out(out, files, overwrite)
     for stale in out.parent.glob(f".{out.name}.partial-*"):
         log(f"note: {stale} is left over from an interrupted prepare.py run; delete it to free the space")
@@ -539,6 +566,9 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
         _write_atomic(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         _fsync_dir(staging)
         if replacing:  # swap: the previous output is removed only once the new one is in place
+            for p in _own_files(out, overwrite):  # a user's files inside an old output stay where they are
+                os.rename(p, staging / p.name)
+                log(f"note: kept {p.name}, which is not prepare.py's, in {out}")
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
             try:
@@ -553,8 +583,11 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
                 out.rmdir()  # an empty directory
             os.rename(staging, out)
             _fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):  # disk full, permissions: say where, and that nothing was lost
+            raise DataError(f"could not write {e.filename or staging} ({e.strerror or e}); free disk space or fix "
+                            f"the permissions, then run again: {out} is unchanged") from None
         raise
     seconds = time.perf_counter() - t0
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
@@ -701,8 +734,8 @@ console, errors = Console(), Console(stderr=True)
 
 
 def _fail(e):
-    errors.print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    errors.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
 
 
 def main(
@@ -710,7 +743,7 @@ def main(
         None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz) and .parquet. None: the demo "
         "corpus, Python's standard library sources."),
     out: Optional[Path] = typer.Option(
-        None, "--out", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
+        None, "--out-dir", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
     tokenizer: Optional[str] = typer.Option(
         None, help="gpt2, byte, or a path to a Hugging Face tokenizer.json "
         "(default: byte for the demo, gpt2 otherwise)."),
@@ -721,11 +754,11 @@ def main(
     workers: Optional[int] = typer.Option(None, help="Tokenizer processes (default: all cores)."),
     eos_token: Optional[str] = typer.Option(
         None, help=f"The end-of-document token of a tokenizer file, when it is not one of {', '.join(EOS_TOKENS)}."),
-    overwrite: bool = typer.Option(False, help="Replace an --out that holds something other than a previous output."),
+    overwrite: bool = typer.Option(False, help="Replace an --out-dir that holds something other than a previous output."),
     text_field: str = typer.Option(
         "text", help="The text column of .parquet files and the text field of .jsonl records."),
 ):
-    """Tokenize text into shards + manifest.json for train.py (DESIGN §2.1).
+    """Tokenize text into shards + manifest.json for train.py.
 
     Also: `python prepare.py verify DIR` re-hashes and range-checks every shard (exit 0 only when all is well);
     `python prepare.py info DIR` prints statistics and a decoded sample.
@@ -733,7 +766,7 @@ def main(
     try:
         if inputs:
             if out is None:
-                raise DataError("--out: expected an output directory for your INPUT files (only the demo has one)")
+                raise DataError("--out-dir: expected an output directory for your INPUT files (only the demo has one)")
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
@@ -753,7 +786,7 @@ def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output 
         errors.print(f"{directory}: {len(problems)} problem{'s' if len(problems) > 1 else ''}", markup=False)
         for p in problems:
             errors.print(f"  - {p}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(2)
     console.print(f"{directory}: all shards match the manifest", markup=False)
 
 
@@ -782,10 +815,10 @@ if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else None
     if command in ("verify", "info"):
         del sys.argv[1]
-        app = typer.Typer(add_completion=False)
+        app = typer.Typer(add_completion=False, rich_markup_mode="rich")
         app.command()(verify_main if command == "verify" else info_main)
         app(prog_name=f"prepare.py {command}")
     else:
-        app = typer.Typer(add_completion=False)
+        app = typer.Typer(add_completion=False, rich_markup_mode="rich")
         app.command()(main)
         app(prog_name="prepare.py")

@@ -1,41 +1,50 @@
 """Generate text from a checkpoint: prefill the prompt with the chunked scan, then decode one token at a time
 with the O(1) recurrent step, streaming the text as it comes.
 
-    python sample.py --ckpt out --prompt "def " --max-new-tokens 300 --temperature 0.8 --top-k 50
+    python sample.py --out-dir out --prompt "def " --max-new-tokens 300 --temperature 0.8 --top-k 50
 """
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import typer
+from rich.console import Console
+from rich.markup import escape
 
 import ckpt
 import data
 from model import Mamba3LM, ModelConfig
 from prepare import load_tokenizer
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-def load_model(ckpt_dir, step=None, device="cpu"):
-    """(model in eval mode, tokenizer, step) rebuilt from a checkpoint's meta: config, weights, tokenizer spec."""
-    step = ckpt.latest_step(ckpt_dir) if step is None else step
-    if step is None:
-        raise ckpt.CheckpointError(f"{ckpt_dir}: no complete checkpoint found (expected model_step_N.safetensors, "
+def load_model(out_dir, step=None, device="cpu"):
+    """(model in eval mode, tokenizer, step) rebuilt from a checkpoint's meta: config, weights, tokenizer spec.
+    Without a step, the newest one that verifies (a corrupt newer one is reported and passed over)."""
+    steps = [step] if step is not None else list(reversed(ckpt.list_steps(out_dir)))
+    if not steps:
+        raise ckpt.CheckpointError(f"{out_dir}: no complete checkpoint found (expected model_step_N.safetensors, "
                                    f"optim_step_N.pt and meta_step_N.json)")
-    meta = ckpt.read_meta(ckpt_dir, step)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    config = ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})
-    model = Mamba3LM(config)
-    ckpt.load(ckpt_dir, step, model, map_location="cpu")
+    for s in steps:
+        meta = ckpt.read_meta(out_dir, s)
+        model = Mamba3LM(ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in fields}))
+        try:
+            ckpt.load(out_dir, s, model)
+            break
+        except ckpt.CorruptCheckpoint as e:
+            if step is not None or s == steps[-1]:
+                raise
+            warnings.warn(f"{e}; trying an earlier step")
     spec = meta.get("tokenizer")
     if spec is None:
-        raise ckpt.CheckpointError(f"{ckpt_dir} step {step}: the meta records no tokenizer (trained on data without a "
+        raise ckpt.CheckpointError(f"{out_dir} step {s}: the meta records no tokenizer (trained on data without a "
                                    f"manifest, or on synthetic tokens), so its tokens cannot be turned into text")
-    tokenizer = load_tokenizer(spec, ckpt_dir)
-    return model.to(device).eval(), tokenizer, step
+    return model.to(device).eval(), load_tokenizer(spec, out_dir), s
 
 
 def stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, generator, out=None):
@@ -61,21 +70,24 @@ def stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k
 
 @app.command()
 def main(
-    ckpt_dir: Path = typer.Option(..., "--ckpt", help="A train.py --out-dir (checkpoint directory)."),
-    step: Optional[int] = typer.Option(None, help="Checkpoint step (default: the newest)."),
+    out_dir: Path = typer.Option("out", help="The run directory train.py wrote (its --out-dir)."),
+    step: Optional[int] = typer.Option(None, min=0, help="Checkpoint step (default: the newest that verifies)."),
     prompt: str = typer.Option("", help="Text to continue (default: start a new document after end-of-text)."),
-    max_new_tokens: int = typer.Option(200, help="Tokens to generate per sample."),
-    temperature: float = typer.Option(0.8, help="Softmax temperature; 0 is greedy."),
-    top_k: Optional[int] = typer.Option(None, help="Sample among the K most likely tokens only."),
-    num_samples: int = typer.Option(1, help="Independent samples."),
-    seed: int = typer.Option(0, help="Seed of the sampling."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    max_new_tokens: int = typer.Option(200, min=1, help="Tokens to generate per sample."),
+    temperature: float = typer.Option(0.8, min=0, help="Softmax temperature; 0 is greedy."),
+    top_k: Optional[int] = typer.Option(None, min=1, help="Sample among the K most likely tokens only."),
+    num_samples: int = typer.Option(1, min=1, help="Independent samples."),
+    seed: int = typer.Option(0, min=0, help="Seed of the sampling."),
+    device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", help="auto: CUDA when available."),
 ):
     """Generate text from a checkpoint of train.py."""
+    warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, tokenizer, step = load_model(ckpt_dir, step, device)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ckpt.CheckpointError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
+        model, tokenizer, step = load_model(out_dir, step, device)
         prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id]
         generator = torch.Generator(device=device).manual_seed(seed)
         for i in range(num_samples):
@@ -84,7 +96,7 @@ def main(
             sys.stdout.write(prompt)
             stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, generator)
     except (ckpt.CheckpointError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2)
 
 

@@ -285,13 +285,13 @@ def test_text_field_picks_the_parquet_column_and_the_jsonl_field(tmp_path):
     (tmp_path / "ref" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts + texts))
     ref = run([tmp_path / "ref"], tmp_path / "ref-out")
     cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "in"), "--tokenizer", "byte",
-           "--shard-tokens", "200", "--val-fraction", "0.1", "--workers", "1", "--out"]
+           "--shard-tokens", "200", "--val-fraction", "0.1", "--workers", "1", "--out-dir"]
     r = subprocess.run(cli + [str(tmp_path / "out"), "--text-field", "content"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"] == ref["splits"]
     # The default field is "text": here an integer column, refused before any work, with the way out named.
     r = subprocess.run(cli + [str(tmp_path / "out2")], capture_output=True, text=True)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and not (tmp_path / "out2").exists()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not (tmp_path / "out2").exists()
     assert r.stderr.startswith(f"error: {tmp_path / 'in' / 'a.parquet'}: expected column 'text' to hold text")
     assert "found int64" in r.stderr and "--text-field" in r.stderr
 
@@ -341,7 +341,7 @@ def test_verify_catches_a_flipped_byte_and_a_truncated_shard(tmp_path):
     assert any("train_00001.bin: sha256" in p for p in problems), problems
     cli = [sys.executable, str(ROOT / "prepare.py"), "verify", str(tmp_path / "out")]
     r = subprocess.run(cli, capture_output=True, text=True)
-    assert r.returncode == 1 and "train_00001.bin: sha256" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "train_00001.bin: sha256" in r.stderr and "Traceback" not in r.stderr
     shard.write_bytes(good[:-4])
     problems = verify(tmp_path / "out")
     assert problems == [f"{shard}: expected {len(good)} bytes ({len(good) // 2} uint16 tokens), found {len(good) - 4}"]
@@ -420,9 +420,9 @@ def test_failures_never_touch_existing_output(tmp_path):
 
 
 def test_cli_errors_are_one_clean_paragraph(tmp_path):
-    cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out", str(tmp_path / "o")]
+    cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")]
     r = subprocess.run(cli, capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr.startswith("error: ") and "missing" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "missing" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
     r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)], capture_output=True, text=True)
-    assert r.returncode == 1 and "--out" in r.stderr
+    assert r.returncode == 2 and "--out-dir" in r.stderr

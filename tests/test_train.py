@@ -291,7 +291,7 @@ def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
 def test_sample_greedy_equals_generate(corpus, tmp_path):
     out = tmp_path / "run"
     run("--data", corpus, *BASE, "--max-steps", 20, "--out-dir", out)
-    result = runner.invoke(sample.app, ["--ckpt", str(out), "--prompt", "def ", "--max-new-tokens", "40",
+    result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ", "--max-new-tokens", "40",
                                         "--top-k", "1", "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
     model, tokenizer, step = sample.load_model(out)
@@ -300,5 +300,5 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     if tokenizer.eos_id in ids:
         ids = ids[: ids.index(tokenizer.eos_id)]
     assert result.output == "def " + tokenizer.decode(ids) + "\n"
-    result = runner.invoke(sample.app, ["--ckpt", str(tmp_path / "none")])
+    result = runner.invoke(sample.app, ["--out-dir", str(tmp_path / "none")])
     assert result.exit_code == 2 and "no complete checkpoint" in result.output
