@@ -550,14 +550,14 @@ def run(cfg, d, tmp):
             # --- the NaN guard: restore the newest healthy checkpoint; the data cursor keeps moving
             if cfg.nan_guard and bad_streak >= cfg.nan_guard:
                 restored = rollback(cfg, raw_model, optimizer, device, step)
+                log(f"[yellow]step {step}: {cfg.nan_guard} bad steps in a row, restored the weights of step "
+                    f"{restored}; the data continues from step {step}[/yellow]", kind="event", event="rollback",
+                    step=step, restored=restored)
                 rollbacks.append(restored)
                 if len(rollbacks) >= MAX_ROLLBACKS and set(rollbacks) == {restored}:
                     raise TrainError(f"rolled back to step {restored} {len(rollbacks)} times in a row and the run "
                                      f"went bad again each time (last at step {step}); lower --lr (now {cfg.lr:g}) "
                                      f"or check the data around these steps")
-                log(f"[yellow]step {step}: {cfg.nan_guard} bad steps in a row, restored the weights of step "
-                    f"{restored}; the data continues from step {step}[/yellow]", kind="event", event="rollback",
-                    step=step, restored=restored)
                 bad_streak = 0
             if d.world_size > 1:  # agree on a signal, so that every rank saves and stops at the same step
                 flag = torch.tensor([float(bool(stop))], device=device)

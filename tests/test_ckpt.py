@@ -542,3 +542,64 @@ def test_sigkill_at_random_instants_never_leaves_an_unloadable_latest_step(tmp_p
             assert all(s["step"].item() == latest for s in opt.state.values())
         previous = latest
     assert previous is not None and previous >= 20
+
+
+# -----------------------------------------------------------------------------
+# the edges: interrupted retention, corrupt steps under retention, malformed files, failed writes
+
+
+def test_an_interrupted_retention_leaves_orphans_the_next_save_removes(tmp_path):
+    model, opt = make(0)
+    for step in (1, 2):
+        ckpt.save(tmp_path, step, model, opt, {})
+    (tmp_path / "meta_step_1.json").unlink()  # retention deletes the meta first; killed right after
+    with pytest.warns(UserWarning, match="step 1 .* is incomplete"):
+        assert ckpt.list_steps(tmp_path) == [2]
+    ckpt.save(tmp_path, 3, model, opt, {})
+    assert files_in(tmp_path) == sorted(ckpt._names(2) + ckpt._names(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left to warn about
+        assert ckpt.list_steps(tmp_path) == [2, 3]
+
+
+def test_retention_never_deletes_a_step_that_fails_verification(tmp_path):
+    model, opt = make(0)
+    for step in (1, 2):
+        ckpt.save(tmp_path, step, model, opt, {})
+    flip_bit(tmp_path / "model_step_1.safetensors")  # same size: only its hash can tell
+    ckpt._written.clear()  # as in a later process, which did not write steps 1 and 2 itself
+    with pytest.warns(UserWarning, match="retention keeps checkpoint step 1: .* is corrupt"):
+        ckpt.save(tmp_path, 3, model, opt, {}, keep_last=1)
+    assert ckpt.list_steps(tmp_path) == [1, 3]  # 2 verified and was deleted; 1 is kept for a human to look at
+
+
+@pytest.mark.parametrize("name", ["model_step_2.safetensors", "optim_step_2.pt"])
+def test_a_malformed_file_whose_hash_matches_falls_back(tmp_path, name):
+    good, opt_good = make(0)
+    ckpt.save(tmp_path, 1, good, opt_good, {})
+    ckpt.save(tmp_path, 2, *make(1), {})
+    (tmp_path / name).write_bytes(b"not a checkpoint at all")
+    meta = json.loads((tmp_path / "meta_step_2.json").read_text())
+    meta["files"][name] = {"bytes": 23, "sha256": sha256(tmp_path / name)}
+    (tmp_path / "meta_step_2.json").write_text(json.dumps(meta))
+    model, opt = make(2)
+    with pytest.raises(ckpt.CorruptCheckpoint, match=f"{name} matches its sha256 but"):
+        ckpt.load(tmp_path, 2, model, opt)
+    with pytest.warns(UserWarning, match="trying an earlier step"):
+        assert ckpt.load_latest(tmp_path, model, opt)[0] == 1
+    assert same_state(model, good) and same_optimizer(opt, opt_good)
+
+
+def test_a_failed_write_is_a_clear_error_and_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    model, opt = make(0)
+    ckpt.save(tmp_path, 1, model, opt, {})
+    before = {n: (tmp_path / n).read_bytes() for n in files_in(tmp_path)}
+
+    def disk_full(obj, path, *args, **kwargs):
+        open(path, "wb").write(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 in .* GB free there.*untouched"):
+        ckpt.save(tmp_path, 2, model, opt, {})
+    assert {n: (tmp_path / n).read_bytes() for n in files_in(tmp_path)} == before

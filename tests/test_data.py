@@ -266,12 +266,16 @@ def megatron_variants(tmp_path):
     raw[-8:] = struct.pack("<q", 19)  # documents must end at the sequence count
     open(str(p) + ".idx", "wb").write(raw)
     out.append(("document boundaries", p, "docs.idx", "document boundaries"))
+
+    p = fresh("empty")
+    open(str(p) + ".idx", "wb").close()
+    out.append(("an empty .idx", p, "empty.idx", "found 0 bytes"))
     return out
 
 
 def test_each_corrupted_megatron_variant_is_a_clear_error(tmp_path):
     variants = megatron_variants(tmp_path)
-    assert len(variants) == 7
+    assert len(variants) == 8
     for what, prefix, file, fragment in variants:
         with pytest.raises(DataError) as e:
             open_tokens(prefix)

@@ -426,3 +426,36 @@ def test_cli_errors_are_one_clean_paragraph(tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
     r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and "--out-dir" in r.stderr
+
+
+def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    run([tmp_path / "corpus"], out)
+    (out / "NOTES.md").write_text("my notes about this data")
+    # a run killed between its two renames: the previous output sits in .out.old-PID, --out-dir is gone
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.rename(out, tmp_path / f".out.old-{dead.pid}")
+    notes = []
+    run([tmp_path / "corpus"], out, log=notes.append, shard_tokens=10_000)
+    assert any("restored" in n and f".out.old-{dead.pid}" in n for n in notes)
+    assert any("kept NOTES.md" in n for n in notes)
+    assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
+def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):
+    make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    run([tmp_path / "corpus"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(prepare, "_write_atomic", disk_full)
+    with pytest.raises(DataError, match=r"could not write .*manifest.json \(No space left on device\).* is unchanged"):
+        run([tmp_path / "corpus"], out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]

@@ -112,28 +112,32 @@ def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, monkeypatch):
     assert_same_weights(weights(tmp_path / "straight", 12), weights(tmp_path / "resumed", 12))
 
 
-def test_sigkill_after_a_checkpoint_then_resume(corpus, tmp_path):
+def test_sigkill_between_checkpoints_then_resume(corpus, tmp_path):
     args = ["--data", corpus, *BASE, "--max-steps", 10, "--save-every", 4]
     run(*args, "--out-dir", tmp_path / "straight")
-    # a child that kills itself with SIGKILL right after committing step 4
+    # a child that kills itself with SIGKILL two steps after committing step 4, once it has logged steps 5 and 6
     child = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
         import train
-        save = train.save_checkpoint
-        def save_then_die(cfg, step, *a, **kw):
-            save(cfg, step, *a, **kw)
-            if step == 4:
+        forward, calls = train.micro_step, []
+        def die_in_step_7(model, x, y, autocast):
+            calls.append(1)
+            if len(calls) == 2 * 6 + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-        train.save_checkpoint = save_then_die
+            return forward(model, x, y, autocast)
+        train.micro_step = die_in_step_7
         sys.argv = ["train.py"] + {[str(a) for a in args + ["--out-dir", tmp_path / "killed"]]!r}
         train.app()
     """)
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [r["step"] for r in records(tmp_path / "killed")] == list(range(1, 7))
     run(*args, "--out-dir", tmp_path / "killed")
     straight, killed = losses(tmp_path / "straight"), losses(tmp_path / "killed")
-    assert all(killed[s] == straight[s] for s in straight)  # steps 1-4 twice in the killed run's file: same values
+    assert killed == straight
+    # the records the killed run wrote past its last checkpoint were dropped: one record per step
+    assert [r["step"] for r in records(tmp_path / "killed")] == list(range(1, 11))
     assert_same_weights(weights(tmp_path / "straight", 10), weights(tmp_path / "killed", 10))
 
 
