@@ -212,11 +212,11 @@ def _remove_leftovers(d):
     # Temporary files of saves that were killed midway (their process is gone), and the data files of steps
     # without a meta: a save killed before its commit, or a retention killed after deleting the meta. Only
     # the writer of d calls this, so a data file without a meta can never be a save in progress.
-    metas = {int(m.group(1)) for p in d.iterdir() if (m := STEP_FILE.fullmatch(p.name)) and p.suffix == ".json"}
+    for paths in step_files(d).values():
+        for p in paths if not any(p.suffix == ".json" for p in paths) else []:
+            p.unlink(missing_ok=True)
     for p in d.iterdir():
-        tmp, step = _TMP.fullmatch(p.name), STEP_FILE.fullmatch(p.name)
-        if (tmp and int(tmp.group(1)) != os.getpid() and not _pid_alive(int(tmp.group(1)))) or (
-                step and int(step.group(1)) not in metas):
+        if (m := _TMP.fullmatch(p.name)) and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
             p.unlink(missing_ok=True)
 
 
@@ -259,7 +259,7 @@ def list_steps(dir):
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory")
     steps = []
-    for step in sorted({int(m.group(1)) for p in d.iterdir() if (m := STEP_FILE.fullmatch(p.name))}):
+    for step in sorted(step_files(d)):
         try:
             read_meta(d, step)
             steps.append(step)
@@ -294,6 +294,15 @@ def read_meta(dir, step):
         if found != size:
             raise CheckpointError(f"step {step} in {d} is damaged: {name} has {found} bytes, {meta_name} says {size}")
     return meta
+
+
+def step_files(dir):
+    """{step: [paths]} of every checkpoint file in `dir`, whether its step counts or not."""
+    d, found = Path(dir), {}
+    for p in sorted(d.iterdir()) if d.is_dir() else []:
+        if m := STEP_FILE.fullmatch(p.name):
+            found.setdefault(int(m.group(1)), []).append(p)
+    return found
 
 
 def latest_step(dir):
