@@ -1,0 +1,354 @@
+"""ckpt.py's official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained builds and loads,
+read_pretrained brings it (or a run directory) back bit for bit, and bad input is refused without damage."""
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import ckpt
+from ckpt import CheckpointError
+from model import Mamba3LM, ModelConfig
+from prepare import ByteTokenizer
+
+# two groups and a vocabulary that is not a multiple of 64, so the group layout and the padding are exercised
+CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2, mlp_hidden=128,
+                     chunk_size=16)
+
+
+def make_run(run_dir, config=CONFIG, steps=(3,), tokenizer={"name": "byte"}, seed=0):
+    """A run directory with `steps` checkpoints of a random model whose every parameter is perturbed (so no norm
+    weight, bias or D is left at its initial ones). Returns the model of the last step."""
+    torch.manual_seed(seed)
+    model = Mamba3LM(config)
+    for step in steps:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        ckpt.save(run_dir, step, model, None, {"tokenizer": tokenizer})
+    return model
+
+
+def official_layout(c):
+    """Key -> shape of the state dict that mamba_ssm's MambaLMHeadModel(MambaConfig(**c)) creates, written from
+    reading its modules: a MixerModel `backbone` (embedding, layers, norm_f) and a tied `lm_head`; the
+    vocabulary rounded up to pad_vocab_size_multiple; each layer a Block with `norm` (RMSNorm, weight only),
+    a Mamba3 `mixer` and, when d_intermediate > 0, `norm2` and a GatedMLP `mlp` whose hidden size is
+    d_intermediate rounded up to 128 and whose fc1 makes both halves. The Mamba3 in_proj makes z and x
+    (d_inner each), B and C (ngroups * d_state each, times the MIMO rank, 1 here), dd_dt, dd_A and trap (one
+    per head each) and the rotary angles: d_state * rope_fraction, made even, in pairs."""
+    ssm = c["ssm_cfg"]
+    D, N, G = c["d_model"], ssm["d_state"], ssm["ngroups"]
+    d_inner = ssm["expand"] * D
+    H = d_inner // ssm["headdim"]
+    S = int(N * ssm["rope_fraction"]) // 2 * 2 // 2
+    V = math.ceil(c["vocab_size"] / c["pad_vocab_size_multiple"]) * c["pad_vocab_size_multiple"]
+    F = math.ceil(c["d_intermediate"] / 128) * 128
+    layout = {"backbone.embedding.weight": (V, D), "lm_head.weight": (V, D), "backbone.norm_f.weight": (D,)}
+    for i in range(c["n_layer"]):
+        p = f"backbone.layers.{i}."
+        layout.update({p + "norm.weight": (D,), p + "mixer.in_proj.weight": (2 * d_inner + 2 * G * N + 3 * H + S, D),
+                       p + "mixer.dt_bias": (H,), p + "mixer.B_bias": (H, 1, N), p + "mixer.C_bias": (H, 1, N),
+                       p + "mixer.B_norm.weight": (N,), p + "mixer.C_norm.weight": (N,), p + "mixer.D": (H,),
+                       p + "mixer.out_proj.weight": (D, d_inner)})
+        if F:
+            layout.update({p + "norm2.weight": (D,), p + "mlp.fc1.weight": (2 * F, D), p + "mlp.fc2.weight": (D, F)})
+    return layout
+
+
+def logits_of(config, state, idx):
+    model = Mamba3LM(ModelConfig(**config))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+def test_export_is_what_the_official_model_builds(tmp_path):
+    model = make_run(tmp_path / "run")
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+
+    config = json.loads((out / "config.json").read_text())
+    # exactly MambaConfig's fields, and Mamba3's arguments for our layer
+    assert config == {
+        "d_model": 64, "d_intermediate": 128, "n_layer": 2, "vocab_size": 257,
+        "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "expand": 2, "headdim": 16, "ngroups": 2, "rope_fraction": 0.5,
+                    "dt_min": 1e-3, "dt_max": 0.1, "dt_init_floor": 1e-4, "A_floor": 1e-4, "chunk_size": 16,
+                    "is_outproj_norm": False, "is_mimo": False},
+        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "pad_vocab_size_multiple": 1, "tie_embeddings": True}
+
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert {k: tuple(v.shape) for k, v in state.items()} == official_layout(config)
+    same = load_file(out / "model.safetensors")
+    assert state.keys() == same.keys() and all(torch.equal(state[k], same[k]) for k in state)
+    # the embedding keeps exactly the vocabulary's rows; the head is the same tensor, as tie_embeddings makes it
+    assert torch.equal(state["backbone.embedding.weight"], model.embed.weight[:257])
+    assert state["lm_head.weight"].data_ptr() == state["backbone.embedding.weight"].data_ptr()
+
+    # the official forward of the pieces that change layout, in our words: GatedMLP splits fc1's output into
+    # (y, gate) and returns fc2(y * silu(gate)); Mamba3 squeezes the bias's rank axis
+    h = torch.randn(3, 64)
+    y, gate = (h @ state["backbone.layers.1.mlp.fc1.weight"].T).chunk(2, dim=-1)
+    official_mlp = (y * F.silu(gate)) @ state["backbone.layers.1.mlp.fc2.weight"].T
+    torch.testing.assert_close(official_mlp, model.blocks[1].mlp(h), rtol=1e-6, atol=1e-6)
+    assert torch.equal(state["backbone.layers.0.mixer.C_bias"][:, 0], model.blocks[0].mixer.C_bias)
+
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "mamba3_lite.json",
+                                                     "model.safetensors", "pytorch_model.bin", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    note = (out / "README.md").read_text()
+    assert f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={out}," in note
+    assert "MambaLMHeadModel.from_pretrained" in note
+
+
+def test_round_trip_is_bit_identical(tmp_path):
+    model = make_run(tmp_path / "run")
+    ckpt.export(tmp_path / "run", tmp_path / "out")
+    idx = torch.randint(0, 257, (2, 40))
+    with torch.no_grad():
+        expected = model(idx)[0]
+    for path in (tmp_path / "run", tmp_path / "out"):
+        config, state, spec = ckpt.read_pretrained(path)
+        assert config == dataclasses.asdict(model.config) and spec == {"name": "byte"}
+        for k, v in model.state_dict().items():
+            if path.name == "out" and k in ("embed.weight", "lm_head.weight"):
+                # the padding rows no token uses are not exported: they come back as zeros
+                assert torch.equal(state[k][:257], v[:257]) and not state[k][257:].any()
+            else:
+                assert torch.equal(state[k], v), k
+        assert torch.equal(logits_of(config, state, idx), expected)
+
+
+def test_a_foreign_official_checkpoint(tmp_path):
+    """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the vocabulary is
+    padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
+    model = make_run(tmp_path / "run", dataclasses.replace(CONFIG, vocab_size=260))
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    for key in ("residual_in_fp32", "fused_add_norm", "attn_cfg", "tie_embeddings"):
+        del config[key]
+    for key in ("chunk_size", "A_floor", "is_mimo", "dt_min"):
+        del config["ssm_cfg"][key]
+    config["pad_vocab_size_multiple"] = 8
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    embedding = torch.cat([state["backbone.embedding.weight"], torch.randn(4, 64)])  # 264 rows
+    state["backbone.embedding.weight"] = state["lm_head.weight"] = embedding
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text(json.dumps(config))
+    torch.save(state, theirs / "pytorch_model.bin")
+
+    ours, weights, spec = ckpt.read_pretrained(theirs)
+    assert spec is None and "reset_token" not in ours
+    assert ours == {**dataclasses.asdict(model.config), "chunk_size": 64}  # the official default
+    assert torch.equal(weights["embed.weight"][:264], embedding) and not weights["embed.weight"][264:].any()
+    idx = torch.randint(0, 260, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(ours, weights, idx), model(idx)[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mlp_hidden=96), "mlp_hidden 96: the official GatedMLP rounds its hidden size up to a multiple of 128"),
+    (dict(rope_fraction=0.25), "rope_fraction 0.25: the official Mamba3 layer accepts only 0.5 and 1.0"),
+    (dict(d_state=12), "d_state 12 with rope_fraction 0.5 gives 3 rotary angles"),
+    (dict(norm_eps=1e-6), "norm_eps 1e-06: the official model fixes every RMSNorm epsilon at 1e-05"),
+])
+def test_options_the_official_format_lacks_are_refused(tmp_path, change, message):
+    make_run(tmp_path / "run", dataclasses.replace(CONFIG, **change))
+    with pytest.raises(CheckpointError, match="cannot be exported to the official mamba_ssm format") as e:
+        ckpt.export(tmp_path / "run", tmp_path / "out")
+    assert message in str(e.value) and str(tmp_path / "run") in str(e.value)
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["run"]
+
+
+def test_runs_without_a_good_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        ckpt.export(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        ckpt.export(tmp_path / "empty", tmp_path / "out")
+
+    make_run(tmp_path / "run", steps=(1, 2))
+    with open(tmp_path / "run" / "model_step_2.safetensors", "r+b") as f:  # same size, other bytes
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\0\1\2\3")
+    with pytest.warns(UserWarning, match="model_step_2.safetensors is corrupt.*trying an earlier step"):
+        out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+    with pytest.raises(CheckpointError, match="corrupt"):  # an explicit step is not replaced by another
+        ckpt.export(tmp_path / "run", tmp_path / "out2", step=2)
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 7 .* steps there: \[1, 2\]"):
+        ckpt.export(tmp_path / "run", tmp_path / "out2", step=7)
+    only = tmp_path / "run" / "model_step_1.safetensors"
+    only.write_bytes(b"x" * only.stat().st_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match="model_step_1.safetensors is corrupt"):
+            ckpt.read_pretrained(tmp_path / "run")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_the_export_target(tmp_path):
+    make_run(tmp_path / "run", steps=(1, 2))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=f"{foreign} exists and is not an earlier export"):
+        ckpt.export(tmp_path / "run", foreign)
+    assert os.listdir(foreign) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+        ckpt.export(tmp_path / "run", tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "mine"
+
+    (tmp_path / "empty").mkdir()
+    ckpt.export(tmp_path / "run", tmp_path / "empty", step=1)  # an empty directory is fine
+    out = ckpt.export(tmp_path / "run", tmp_path / "out", step=1)
+    ckpt.export(tmp_path / "run", out)  # an earlier export is replaced
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
+    (out / "eval-results.json").write_text("{}")  # a user's file in an earlier export is kept
+    ckpt.export(tmp_path / "run", out, step=1)
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+    assert (out / "eval-results.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "foreign", "out", "run"]  # no temp dirs
+
+
+def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
+    make_run(tmp_path / "run", steps=(1, 2))
+    out = ckpt.export(tmp_path / "run", tmp_path / "out", step=1)
+    (out / "eval-results.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(f))
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", disk_full)
+        with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space left on device\\); "
+                           f".* {out} is unchanged"):
+            ckpt.export(tmp_path / "run", out)
+    rename = os.rename
+
+    def fail_the_swap(src, dst):
+        if ".export-" in str(src) and dst == out:
+            raise OSError(5, "Input/output error", str(dst))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", fail_the_swap)
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        ckpt.export(tmp_path / "run", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["ssm_cfg"].update(is_mimo=True), "is_mimo is true"),
+    (lambda c: c["ssm_cfg"].update(is_outproj_norm=True), "is_outproj_norm is true"),
+    (lambda c: c["ssm_cfg"].update(layer="Mamba2"), "layer is Mamba2, not Mamba3"),
+    (lambda c: c["ssm_cfg"].update(rope_fraction=0.25), "rope_fraction is 0.25"),
+    (lambda c: c["ssm_cfg"].update(conv_size=4), "options this converter does not know: conv_size"),
+    (lambda c: c.update(attn_layer_idx=[1]), r"layers \[1\] are attention layers"),
+    (lambda c: c.update(rms_norm=False), "rms_norm is false"),
+    (lambda c: c.update(tie_embeddings=False), "tie_embeddings is false"),
+    (lambda c: c.pop("d_model"), "not a mamba_ssm MambaConfig: missing d_model"),
+    (lambda c: c.update(norm_epsilon=1e-6), "not a mamba_ssm MambaConfig: unknown norm_epsilon"),
+    (lambda c: c.update(d_intermediate=256), r"mlp.fc1.weight \[256, 64\], expected \[512, 64\]"),
+])
+def test_what_read_pretrained_refuses_in_a_config(tmp_path, edit, message):
+    make_run(tmp_path / "run")
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message) as e:
+        ckpt.read_pretrained(out)
+    assert str(out) in str(e.value)
+
+
+def test_what_read_pretrained_refuses_in_weights(tmp_path):
+    make_run(tmp_path / "run")
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    state = load_file(out / "model.safetensors")
+    del state["backbone.layers.1.mixer.D"]
+    state["backbone.layers.1.mixer.E"] = torch.ones(8)
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors does not fit its config.json: missing "
+                       r"backbone.layers.1.mixer.D; unexpected backbone.layers.1.mixer.E"):
+        ckpt.read_pretrained(out)
+    (out / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="model.safetensors: cannot be read as a state dict"):
+        ckpt.read_pretrained(out)
+    (out / "model.safetensors").unlink()
+    ckpt.read_pretrained(out)  # pytorch_model.bin alone is the official format
+    (out / "pytorch_model.bin").unlink()
+    with pytest.raises(CheckpointError, match=f"{out}: expected a train.py run directory .* found neither"):
+        ckpt.read_pretrained(out)
+    with pytest.raises(CheckpointError, match="found no such directory"):
+        ckpt.read_pretrained(tmp_path / "missing")
+
+
+def test_byte_tokenizer_json_is_the_byte_tokenizer():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(ckpt.byte_tokenizer_json())
+    tok.encode_special_tokens = True  # as tokenizer_config.json's split_special_tokens asks of transformers
+    ours = ByteTokenizer()
+    for text in ["def f(x):\n    return x  # é, 漢字, 🙂\t\r\n", "  two spaces", "\x00\x7f\xff", "a<|endoftext|>b"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == ours.encode(text) and tok.decode(ids) == text
+    assert tok.token_to_id("<|endoftext|>") == ours.eos_id and tok.get_vocab_size() == ours.vocab_size
+
+
+def test_tokenizer_files(tmp_path):
+    tokenizer_json = ckpt.byte_tokenizer_json().encode()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tokenizer.json").write_bytes(tokenizer_json)
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": hashlib.sha256(tokenizer_json).hexdigest(),
+            "eos_token": "<|endoftext|>"}
+    make_run(tmp_path / "run", tokenizer=spec)
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    assert (out / "tokenizer.json").read_bytes() == tokenizer_json
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    assert ckpt.read_pretrained(out)[2] == spec
+    (tmp_path / "run" / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="tokenizer.json: not the tokenizer the run was trained with"):
+        ckpt.export(tmp_path / "run", tmp_path / "out")
+
+    make_run(tmp_path / "gpt2", tokenizer={"name": "gpt2"})
+    out = ckpt.export(tmp_path / "gpt2", tmp_path / "gpt2-out")
+    assert not (out / "tokenizer.json").exists()
+    assert f"pretrained={out},tokenizer=gpt2," in (out / "README.md").read_text()
+
+
+@pytest.mark.skipif("reset_token" not in {f.name for f in dataclasses.fields(ModelConfig)},
+                    reason="model.py has no ModelConfig.reset_token yet")
+def test_reset_token_is_exported_with_a_warning(tmp_path):
+    model = make_run(tmp_path / "run", dataclasses.replace(CONFIG, reset_token=256))
+    out = ckpt.export(tmp_path / "run", tmp_path / "out")
+    assert "the official model does not reset at EOS" in (out / "README.md").read_text()
+    assert ckpt.read_pretrained(out)[0] == dataclasses.asdict(model.config)
+    result = CliRunner().invoke(ckpt.app, ["export", str(tmp_path / "run"), str(out)])
+    assert result.exit_code == 0 and "does not reset at EOS" in result.output
+
+
+def test_cli(tmp_path):
+    runner = CliRunner()
+    make_run(tmp_path / "run")
+    result = runner.invoke(ckpt.app, ["export", str(tmp_path / "run"), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"exported {tmp_path / 'run'} step 3 to {tmp_path / 'out'}" in result.output
+    assert "lm_eval --model mamba_ssm --model_args pretrained=" in result.output
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "x").write_text("")
+    for args, message in ((["export", str(tmp_path / "nowhere"), str(tmp_path / "out2")], "no such directory"),
+                          (["export", str(tmp_path / "run"), str(tmp_path / "foreign")], "not an earlier export")):
+        result = runner.invoke(ckpt.app, args)
+        assert result.exit_code == 2 and "error:" in result.output and message in result.output
+        assert "Traceback" not in result.output
