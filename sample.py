@@ -22,9 +22,11 @@ from prepare import load_tokenizer
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-def load_model(out_dir, step=None, device="cpu"):
-    """(model in eval mode, tokenizer, step) rebuilt from a checkpoint's meta: config, weights, tokenizer spec.
-    Without a step, the newest one that verifies (a corrupt newer one is reported and passed over)."""
+def load_model(out_dir, step=None):
+    """(model in eval mode, meta, step) rebuilt from a checkpoint of a train.py run directory: its config from the
+    meta, then the weights. Without a step, the newest that verifies (a corrupt one is reported and passed)."""
+    if not Path(out_dir).is_dir():
+        raise ckpt.CheckpointError(f"{out_dir}: no such directory; expected a train.py --out-dir holding checkpoints")
     steps = [step] if step is not None else list(reversed(ckpt.list_steps(out_dir)))
     if not steps:
         raise ckpt.CheckpointError(f"{out_dir}: no complete checkpoint found (expected model_step_N.safetensors, "
@@ -32,19 +34,16 @@ def load_model(out_dir, step=None, device="cpu"):
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for s in steps:
         meta = ckpt.read_meta(out_dir, s)
+        if not isinstance(meta.get("model_config"), dict):
+            raise ckpt.CheckpointError(f"checkpoint step {s} in {out_dir} records no model_config: not a mamba3-lite model")
         model = Mamba3LM(ModelConfig(**{k: v for k, v in meta["model_config"].items() if k in fields}))
         try:
             ckpt.load(out_dir, s, model)
-            break
+            return model.eval(), meta, s
         except ckpt.CorruptCheckpoint as e:
             if step is not None or s == steps[-1]:
                 raise
             warnings.warn(f"{e}; trying an earlier step")
-    spec = meta.get("tokenizer")
-    if spec is None:
-        raise ckpt.CheckpointError(f"{out_dir} step {s}: the meta records no tokenizer (trained on data without a "
-                                   f"manifest, or on synthetic tokens), so its tokens cannot be turned into text")
-    return model.to(device).eval(), load_tokenizer(spec, out_dir), s
 
 
 def stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, generator, out=None):
@@ -87,7 +86,11 @@ def main(
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ckpt.CheckpointError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
-        model, tokenizer, step = load_model(out_dir, step, device)
+        model, meta, step = load_model(out_dir, step)
+        if meta.get("tokenizer") is None:
+            raise ckpt.CheckpointError(f"{out_dir} step {step}: the meta records no tokenizer (trained on data without "
+                                       f"a manifest, or on synthetic tokens), so its tokens cannot become text")
+        model, tokenizer = model.to(device), load_tokenizer(meta["tokenizer"], out_dir)
         prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id]
         generator = torch.Generator(device=device).manual_seed(seed)
         for i in range(num_samples):

@@ -298,11 +298,12 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ", "--max-new-tokens", "40",
                                         "--top-k", "1", "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
-    model, tokenizer, step = sample.load_model(out)
+    model, meta, step = sample.load_model(out)
+    tokenizer = sample.load_tokenizer(meta["tokenizer"], out)
     assert step == 20
     ids = model.generate(torch.tensor([tokenizer.encode("def ")]), 40, top_k=1)[0, 4:].tolist()
     if tokenizer.eos_id in ids:
         ids = ids[: ids.index(tokenizer.eos_id)]
     assert result.output == "def " + tokenizer.decode(ids) + "\n"
     result = runner.invoke(sample.app, ["--out-dir", str(tmp_path / "none")])
-    assert result.exit_code == 2 and "no complete checkpoint" in result.output
+    assert result.exit_code == 2 and "no such directory" in result.output
