@@ -1,20 +1,25 @@
-"""Throughput tables for mamba3-lite, measured against baselines run in the same process.
+"""Benchmarks for mamba3-lite: throughput against baselines run in the same process.
 
     python bench.py kernels   # the Mamba-3 scan: every ssd path vs a minimal-SSD baseline
     python bench.py data      # the data loader vs a raw memcpy of the same windows; prepare.py tokens/s
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
-    python bench.py all
+    python bench.py all       # the four above
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared machine
 slows every contender alike; the ratios are what to read, the absolute figures depend on the machine.
 """
 import contextlib
+import dataclasses
+import enum
+import inspect
 import os
 import platform
 import statistics
+import tempfile
 import time
-from typing import Optional
+from pathlib import Path
+from typing import List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +27,47 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+from model import PRESETS, Mamba3LM
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
 console = Console(width=None if os.isatty(1) else 140)
+ROOT = Path(__file__).resolve().parent
+
+# the choices every command spells the same way (and train.py and sample.py too)
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["bf16", "fp16", "fp32"]
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+Preset = enum.Enum("Preset", {name: name for name in PRESETS}, type=str)  # an Enum: --model repeats
+
+
+def command(name: Optional[str] = None):
+    """app.command, with each paragraph of the docstring joined into one line: Typer's rich help keeps the
+    line breaks of the source, which would break its paragraphs at the source's width instead of the terminal's."""
+    def register(fn):
+        fn.__doc__ = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(fn.__doc__).split("\n\n"))
+        return app.command(name)(fn)
+    return register
+
+
+def fail(message: str):
+    """Bad input or a machine that cannot run the command: one paragraph on stderr, exit code 2."""
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but torch sees no CUDA device; use --device cpu (or auto)")
+    return device
 
 
 @app.callback()
 def main():
-    """Throughput tables against baselines run in the same process (see each command's --help)."""
+    """Benchmarks for mamba3-lite: throughput against baselines run in the same process (see each command's
+    --help)."""
 
 
 # -----------------------------------------------------------------------------
@@ -122,37 +161,43 @@ def ssd_minimal(x, q, k, log_a, gamma, beta, chunk_size=64):
     return Y.reshape(B, L, H, P), final
 
 
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
-                   "A100": 1.55e12, "L40S": 0.864e12, "A10": 0.6e12, "RTX 4090": 1.0e12, "RTX 3090": 0.936e12}
+# Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins, so the
+# more specific names come first; "NVIDIA H100 80GB HBM3" is the SXM part).
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H800": 3.35e12,
+                   "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12, "A100": 1.56e12, "L40S": 0.864e12,
+                   "L4": 0.3e12, "A10G": 0.6e12, "A10": 0.6e12, "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
 
 
 def hbm_bandwidth():
+    """Peak HBM bytes/s of this GPU by its name (None for a GPU not in HBM_BYTES_PER_S)."""
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
 
 
-@app.command()
+@command()
 def kernels(
-    batch: int = typer.Option(2, help="B"),
+    batch_size: int = typer.Option(2, help="B"),
     seq_len: int = typer.Option(1024, help="L (a multiple of --chunk-size, for the baseline)"),
     heads: int = typer.Option(8, help="H"),
     headdim: int = typer.Option(64, help="P"),
     d_state: int = typer.Option(64, help="N"),
     chunk_size: int = typer.Option(64, help="C"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (x, q, k; log_a, gamma, beta stay float32)"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    reps: int = typer.Option(25, help="interleaved repetitions per path"),
-    recurrent: bool = typer.Option(True, help="also time the token-by-token recurrence (slow)"),
+    dtype: DType = typer.Option("fp32", help="Dtype of x, q, k (log_a, gamma, beta stay fp32)."),
+    device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
+    reps: int = typer.Option(25, help="Interleaved repetitions per path."),
+    recurrent: bool = typer.Option(True, help="Also time the token-by-token recurrence (slow)."),
 ):
-    """fwd and fwd+bwd time of every available ssd path vs the minimal-SSD baseline.
-    The issue's CPU setting is the default; the GPU one is --batch 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bfloat16."""
+    """The scan: fwd and fwd+bwd time of every available ssd path vs a minimal-SSD baseline.
+
+    The defaults are a CPU-sized problem; the 440m layer on a GPU is
+    [bold]--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16[/bold]."""
     import kernels as K
 
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dt = getattr(torch, dtype)
-    B, L, H, P, N = batch, seq_len, heads, headdim, d_state
+    dev = resolve_device(device)
+    dt = TORCH_DTYPE[dtype]
+    B, L, H, P, N = batch_size, seq_len, heads, headdim, d_state
     if L % chunk_size:
-        raise typer.BadParameter(f"--seq-len {L} must be a multiple of --chunk-size {chunk_size} for the baseline")
+        fail(f"--seq-len {L} must be a multiple of --chunk-size {chunk_size} for the baseline")
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def make(*shape, scale=1.0, positive=False, dtype=dt):
@@ -320,31 +365,31 @@ def _bench_loaders(path, files, tokens, L, B, reps, per_call):
     return {name: t / per_call for name, t in times.items()}
 
 
-@app.command()
+@command()
 def data(
-    tokens: int = typer.Option(50_000_000, help="tokens in the synthetic stream (uint16, GPT-2 vocabulary)"),
-    shard_tokens: int = typer.Option(8192, help="tokens per file of the sharded copy of the same stream"),
+    tokens: int = typer.Option(50_000_000, help="Tokens in the synthetic stream (uint16, GPT-2 vocabulary)."),
+    shard_tokens: int = typer.Option(8192, help="Tokens per file of the sharded copy of the same stream."),
     seq_len: int = typer.Option(2048, help="L"),
-    batch: int = typer.Option(16, help="B"),
-    reps: int = typer.Option(60, help="interleaved repetitions per loader"),
-    per_call: int = typer.Option(10, help="batches per timed call"),
-    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="also time prepare.py on the demo corpus"),
-    workdir: str = typer.Option(None, help="where the token files go (default: a temporary directory)"),
+    batch_size: int = typer.Option(16, help="B"),
+    reps: int = typer.Option(60, help="Interleaved repetitions per loader."),
+    per_call: int = typer.Option(10, help="Batches per timed call."),
+    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py on the demo corpus."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a temporary directory, "
+                                           "removed afterwards)."),
 ):
-    """Loader tokens/s on random windows, warm page cache, one core, against the limit: a raw copy of the same
-    kind of windows into a fresh int64 (B, L+1) buffer (what the loader returns x and y as views of), with every
-    window's address found in advance, outside the timer. Baselines: nanoGPT's get_batch and a loader stitching
-    windows through Python lists. Then prepare.py tokens/s on the demo corpus with 1 and 2 workers (byte, and
-    gpt2 where tiktoken can load its BPE file)."""
+    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py's tokens/s.
+
+    One core, warm page cache. The limit is a raw copy of the same kind of windows into a fresh int64 (B, L+1)
+    buffer (what the loader returns x and y as views of), with every window's address found in advance, outside
+    the timer. Baselines: nanoGPT's get_batch and a loader stitching windows through Python lists. Then prepare.py
+    on the demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
     import shutil
-    import tempfile
-    from pathlib import Path
 
     import numpy as np
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core, as the issue asks (restored below for `bench.py all`)
-    B, L = batch, seq_len
+    torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below for `bench.py all`)
+    B, L = batch_size, seq_len
     root = Path(workdir or tempfile.mkdtemp(prefix="bench-data-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -410,47 +455,46 @@ def _bench_prepare(root):
 # bench.py ckpt
 
 
-@app.command()
+@command()
 def ckpt(
-    params: float = typer.Option(100e6, help="parameters of the benchmark model (a stack of 2048x2048 Linear layers)"),
-    preset: str = typer.Option("", help="use this model.py preset instead of the Linear stack (e.g. 180m)"),
-    reps: int = typer.Option(7, help="interleaved repetitions"),
-    dir: str = typer.Option("", help="directory on the disk to measure (default: the system temp dir)"),
+    params: float = typer.Option(100e6, help="Parameters of the benchmark model (a stack of 2048x2048 Linear layers)."),
+    model: Optional[Literal[tuple(PRESETS)]] = typer.Option(None, help="Checkpoint this preset's model instead of "
+                                                            "the Linear stack."),
+    reps: int = typer.Option(7, help="Interleaved repetitions."),
+    workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure (default: the system "
+                                           "temporary directory)."),
 ):
     """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the same state, with AdamW, on CPU.
-    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic renames."""
-    import tempfile
 
+    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic renames."""
     import ckpt as C
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
-    if preset:
-        from model import PRESETS, Mamba3LM
-
-        model = Mamba3LM(PRESETS[preset])
+    if model:
+        net = Mamba3LM(PRESETS[model])
     else:
-        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(max(1, round(params / 2048**2)))])
-    opt = torch.optim.AdamW(model.parameters())
-    for p in model.parameters():  # one step so that AdamW holds its two moments per parameter
+        net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(max(1, round(params / 2048**2)))])
+    opt = torch.optim.AdamW(net.parameters())
+    for p in net.parameters():  # one step so that AdamW holds its two moments per parameter
         p.grad = torch.randn_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in net.parameters())
 
-    with tempfile.TemporaryDirectory(dir=dir or None) as d:
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
         bare_model, bare_optim = os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")
 
         def bare_save():
-            save_file(model.state_dict(), bare_model)
+            save_file(net.state_dict(), bare_model)
             torch.save({"optimizer": opt.state_dict()}, bare_optim)
 
         def bare_load():
-            model.load_state_dict(load_file(bare_model))
+            net.load_state_dict(load_file(bare_model))
             opt.load_state_dict(torch.load(bare_optim, weights_only=True)["optimizer"])
 
-        saves = time_interleaved({"bare": bare_save, "ckpt": lambda: C.save(d, 1, model, opt, {"bench": True})}, reps)
-        loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, model, opt)}, reps)
+        saves = time_interleaved({"bare": bare_save, "ckpt": lambda: C.save(d, 1, net, opt, {"bench": True})}, reps)
+        loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(os.path.join(d, n)) for n in C._names(1)[:2])
 
     rows = []
@@ -458,35 +502,37 @@ def ckpt(
         rows.append([what, f"{t['bare']:.2f}", f"{t['ckpt']:.2f}", f"{t['ckpt'] / t['bare']:.2f}x",
                      f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"])
     cols = ["", "bare s", "ckpt s", "ckpt / bare", "bare GB/s", "ckpt GB/s"]
-    what = f"{preset} preset" if preset else "Linear stack"
+    what = f"{model} preset" if model else "Linear stack"
     print_table(f"checkpoint of {n_params / 1e6:.0f}M params ({what}) + AdamW state: {size / 1e9:.2f} GB, "
                 f"medians of {reps}", cols, rows)
     console.print("save target: ckpt / bare <= 1.30x (ckpt.save includes sha256, fsync, renames; bare does neither)")
-    console.print(f"machine: {machine()}, checkpoint dir on {dir or tempfile.gettempdir()}")
+    console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
 
 
 # -----------------------------------------------------------------------------
 # bench.py train
 
 
-@app.command("train")
+@command("train")
 def train_step(
-    models: str = typer.Option("", help="Comma-separated presets (default: tiny,small on a CPU, every preset on a GPU)."),
+    model: Optional[List[Preset]] = typer.Option(None, help="A preset to time; repeat for several (default: tiny "
+                                                 "and small on a CPU, every preset on a GPU)."),
     steps: int = typer.Option(5, help="Timed optimizer steps per preset."),
     warmup: int = typer.Option(2, help="Untimed steps first (allocation, torch.compile)."),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Default: on for CUDA, off for CPU."),
+    device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: "
+                                           "on for CUDA, off for CPU)."),
 ):
-    """Tokens/s, ms/step and MFU of training steps per preset (one micro batch of the preset's recipe per step,
-    AdamW, bf16 autocast on CUDA), excluding warm-up and compilation. A preset that runs out of memory is
-    reported as not fitting."""
-    import dataclasses
+    """Tokens/s, ms/step and MFU of training steps per preset.
 
+    One micro batch of the preset's recipe per step, AdamW, bf16 autocast on CUDA; warm-up and compilation are
+    not timed. A preset that runs out of memory is reported as not fitting."""
     import train as trainer
-    from model import PRESETS, Mamba3LM
 
-    dev, dtype, compile_ = trainer.resolve_device(device, "auto", compile)
-    names = models.split(",") if models else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
+    dev = resolve_device(device)
+    dtype = "bf16" if dev == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    compile_ = dev == "cuda" if compile is None else compile
+    names = [m.value for m in model] if model else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     peak = trainer.peak_flops(dev)
     rows = []
@@ -496,9 +542,9 @@ def train_step(
         vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus vs GPT-2 BPE
         torch.manual_seed(0)
         try:
-            model = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
-            opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
-            fwd = torch.compile(model) if compile_ else model
+            lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
+            opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
+            fwd = torch.compile(lm) if compile_ else lm
             tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
 
             def step():
@@ -515,12 +561,12 @@ def train_step(
                 step()
             sync()
             dt = (time.perf_counter() - t0) / steps
-            n_params, flops = model.num_params(), model.flops_per_token(L)
+            n_params, flops = lm.num_params(), lm.flops_per_token(L)
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
             continue
         finally:
-            model = opt = fwd = None
+            lm = opt = fwd = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
         tok_s = B * L / dt
@@ -531,9 +577,9 @@ def train_step(
     console.print(f"machine: {machine()}")
 
 
-@app.command("all")
+@command("all")
 def all_():
-    """Every table above with its defaults, one after the other."""
+    """kernels, data, ckpt and train with their defaults, one after the other."""
     commands = typer.main.get_command(app).commands
     for name in ("kernels", "data", "ckpt", "train"):
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
