@@ -1,10 +1,11 @@
-"""Benchmarks for mamba3-lite: throughput against baselines run in the same process.
+"""Benchmarks for mamba3-lite: throughput against baselines run in the same process, and the GPU path's evidence.
 
     python bench.py kernels   # the Mamba-3 scan: every ssd path vs a minimal-SSD baseline
     python bench.py data      # the data loader vs a raw memcpy of the same windows; prepare.py tokens/s
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
     python bench.py all       # the four above
+    python bench.py compile   # every Triton kernel a layer launches, compiled for sm_80 / sm_90 (no GPU needed)
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared machine
 slows every contender alike; the ratios are what to read, the absolute figures depend on the machine.
@@ -13,11 +14,17 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import io
+import json
 import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import List, Literal, Optional
 
@@ -27,7 +34,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from model import PRESETS, Mamba3LM
+from model import PRESETS, Mamba3LM, Mamba3Mixer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
@@ -66,8 +73,8 @@ def resolve_device(device: str) -> str:
 
 @app.callback()
 def main():
-    """Benchmarks for mamba3-lite: throughput against baselines run in the same process (see each command's
-    --help)."""
+    """Benchmarks for mamba3-lite: throughput against baselines run in the same process, and the GPU path's
+    evidence (see each command's --help)."""
 
 
 # -----------------------------------------------------------------------------
@@ -577,9 +584,288 @@ def train_step(
     console.print(f"machine: {machine()}")
 
 
+# -----------------------------------------------------------------------------
+# bench.py compile
+#
+# What a GPU's compiler makes of the Triton kernels, without a GPU. First, one mixer layer runs forward and
+# backward on CPU tensors through Triton's interpreter, and every kernel launch is recorded the way the JIT
+# sees it: the kernel, its arguments (tensors by dtype and 16-byte alignment, numbers by value: the JIT
+# specializes on both) and the launch keywords (constexprs, num_warps, num_stages). Nothing here names a
+# kernel: whatever the layer launches is what gets compiled. Then, in a process where Triton is not
+# interpreted, each launch goes to its kernel's own JITFunction.warmup for a GPU target that is not here, so
+# Triton specializes and compiles it (through ptxas to a cubin) exactly as that launch on that GPU would.
+
+ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100, "sm_120": 120}
+Arch = enum.Enum("Arch", {name: name for name in ARCHS}, type=str)
+
+
+def layer_config(heads: int):
+    """The 440m preset's mixer with `heads` heads (d_model follows); P, N, C, the groups and angles unchanged.
+    The in_proj row, every kernel's token stride, is a multiple of 16 elements exactly when heads is, as at 440m's
+    32 heads: the JIT specializes on that divisibility, so 16 or 32 heads compile the same code."""
+    cfg = PRESETS["440m"]
+    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand)
+
+
+@contextlib.contextmanager
+def scan_impl(impl: str):
+    """Select the scan's path inside, through MAMBA3_IMPL (it overrides impl="auto", the model's default)."""
+    previous = os.environ.get("MAMBA3_IMPL")
+    os.environ["MAMBA3_IMPL"] = impl
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["MAMBA3_IMPL"]
+        else:
+            os.environ["MAMBA3_IMPL"] = previous
+
+
+def _describe(value, where: str):
+    """A launch argument as the JIT's specializer sees it, in JSON terms."""
+    import triton.language as tl
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "aligned": value.data_ptr() % 16 == 0}
+    if isinstance(value, tl.dtype):
+        return {"tl": str(value)}
+    if isinstance(value, tl.constexpr):
+        value = value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{where} is a {type(value).__name__}, which bench.py compile cannot describe to the compiler")
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Inside, every launch of every @triton.jit kernel run by Triton's interpreter is recorded (and still runs):
+    yields the list of distinct launches, each the kernel's module and qualified name, its args and kwargs
+    described by _describe. Needs a process whose Triton is interpreted (TRITON_INTERPRET=1 before triton is
+    imported)."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("recording Triton launches needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+                           "triton is imported (bench.py compile runs its capture in a subprocess that does)")
+    launches, seen = [], set()
+    launch = InterpretedFunction.run
+
+    def record(kernel, *args, grid, warmup, **kwargs):  # kernel[grid](...) and autotuners all end up here
+        name = kernel.fn.__qualname__
+        described = {"module": kernel.fn.__module__, "name": name,
+                     "args": [_describe(a, f"{name} argument {i}") for i, a in enumerate(args)],
+                     "kwargs": {k: _describe(v, f"{name} argument {k}") for k, v in kwargs.items()}}
+        key = json.dumps(described, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            launches.append(described)
+        return launch(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = record
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = launch
+
+
+def capture_launches(batch_size: int = 1, seq_len: int = 128, heads: int = 32, dtype: str = "bf16") -> list:
+    """Every distinct Triton kernel launch of one mixer layer (layer_config(heads)), forward and backward, with
+    the Triton path selected, under autocast to dtype (none for fp32) as train.py runs it; see
+    recording_launches."""
+    torch.manual_seed(0)
+    cfg = layer_config(heads)
+    mixer = Mamba3Mixer(cfg)
+    u = torch.randn(batch_size, seq_len, cfg.d_model, requires_grad=True)
+    with recording_launches() as launches, scan_impl("triton"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast's notes on mixed-dtype rms_norm
+        with torch.autocast("cpu", dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
+            y = mixer(u)
+        y.backward(torch.randn_like(y))
+    return launches
+
+
+class _OfflineGPU:
+    """What JITFunction.warmup asks of Triton's active driver, answered for a GPU that is not here."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.target.arch  # the JIT keeps one kernel cache per device: one per target here
+
+    def get_current_stream(self, device):
+        return 0
+
+
+def _stand_in(value):
+    """A described argument back as something the JIT's specializer takes: a MockTensor at an address that is
+    16-byte aligned or not, a tl dtype, or the number itself."""
+    import triton.language as tl
+    from triton.runtime.jit import MockTensor
+
+    if isinstance(value, dict) and "tensor" in value:
+        pointer = MockTensor(getattr(torch, value["tensor"]))
+        pointer.data_ptr = (lambda: 0) if value["aligned"] else (lambda: 8)
+        return pointer
+    return tl.dtype(value["tl"]) if isinstance(value, dict) else value
+
+
+def _jit_function(module: str, name: str):
+    """The JITFunction behind a kernel's module and qualified name (through @triton.autotune / heuristics)."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
+
+
+def _ptxas_figures(log: str) -> dict:
+    """Registers and spill bytes from ptxas -v's report on one kernel."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not (registers and spills):
+        raise RuntimeError(f"no ptxas -v report to read registers and spills from (got {log[:200]!r})")
+    return dict(registers=int(registers.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+
+
+def compile_launches(launches: list, archs: list) -> list:
+    """Compile each launch (capture_launches' output) for each compute capability in archs (80 is sm_80) and
+    report per distinct binary: registers and spill bytes as ptxas -v reported them while Triton built the
+    cubin, shared memory from the kernel's metadata, whether its Triton IR has a tl.dot and whether its SASS
+    has wgmma instructions (HGMMA). Needs a process whose Triton is not interpreted, and leaves Triton's active
+    driver answering for the last target: run it in a process of its own (run_isolated). No GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if triton.knobs.runtime.interpret:
+        raise RuntimeError("compile_launches needs Triton not interpreted: run it with TRITON_INTERPRET=0")
+    rows, seen = [], set()
+    with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope():
+        triton.knobs.compilation.always_compile = True  # no cache: ptxas runs, and logs, for every binary
+        triton.knobs.nvidia.dump_ptxas_log = True
+        for arch in archs:
+            triton.runtime.driver.set_active(_OfflineGPU(GPUTarget("cuda", arch, 32)))
+            for i, launch in enumerate(launches):
+                row = {"launch": i, "arch": arch, "kernel": launch["name"],
+                       "constexprs": {k: v for k, v in launch["kwargs"].items() if k not in ("num_warps", "num_stages")}}
+                try:
+                    fn = _jit_function(launch["module"], launch["name"])
+                    args = [_stand_in(a) for a in launch["args"]]
+                    kwargs = {k: _stand_in(v) for k, v in launch["kwargs"].items()}
+                    with contextlib.redirect_stdout(io.StringIO()) as log:
+                        kernel = fn.warmup(*args, grid=(1,), **kwargs)
+                    if (arch, kernel.hash) in seen:  # the same specialization launched again: the same binary
+                        continue
+                    seen.add((arch, kernel.hash))
+                    rows.append(dict(row, hash=kernel.hash, **_ptxas_figures(log.getvalue()),
+                                     shared=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
+                                     num_stages=kernel.metadata.num_stages, dot="tt.dot" in kernel.asm["ttir"],
+                                     wgmma=kernel.asm["sass"].count("HGMMA")))
+                except Exception as e:  # a kernel that does not compile is a finding, reported in its row
+                    rows.append(dict(row, error=f"{type(e).__name__}: {e}".strip()))
+    return rows
+
+
+def run_isolated(function: str, interpret: bool, timeout: Optional[float] = None, **kwargs):
+    """bench.<function>(**kwargs) in a fresh Python whose Triton is interpreted or not (the choice is made when
+    triton is first imported, so it takes a process of its own); arguments and result travel as JSON."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    code = ("import contextlib, json, sys, bench\n"
+            "request = json.load(sys.stdin)\n"
+            "with contextlib.redirect_stdout(sys.stderr):  # only the result goes to stdout\n"
+            "    result = getattr(bench, request['function'])(**request['kwargs'])\n"
+            "json.dump(result, sys.stdout)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          input=json.dumps({"function": function, "kwargs": kwargs}), timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"bench.{function} failed in its subprocess:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
+
+
+def compile_table(rows: list) -> list:
+    """compile_launches' rows as table rows, sorted by launch order then architecture. Each row also gets a
+    "label" for the summary: the kernel's name, plus the constexprs that tell its launches apart if it has several."""
+    show = lambda v: v["tl"] if isinstance(v, dict) else v  # noqa: E731  (a tl dtype by its name)
+    rows.sort(key=lambda r: (r["launch"], r["arch"]))
+    table = []
+    for r in rows:
+        others = [o["constexprs"] for o in rows if o["kernel"] == r["kernel"]]
+        r["label"] = " ".join([r["kernel"]] + [f"{k}={show(v)}" for k, v in r["constexprs"].items()
+                                               if any(o.get(k) != v for o in others)])
+        constexprs = " ".join(f"{k}={show(v)}" for k, v in r["constexprs"].items())
+        if "error" in r:
+            table.append([r["kernel"], constexprs, f"sm_{r['arch']}", "[red]failed[/red]", r["error"].splitlines()[0],
+                          "", "", ""])
+            continue
+        spills = f"{r['spill_stores']} / {r['spill_loads']}"
+        wgmma = "-" if r["arch"] != 90 or not r["dot"] else f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "[red]no[/red]"
+        table.append([r["kernel"], constexprs, f"sm_{r['arch']}", f"{r['num_warps']} / {r['num_stages']}",
+                      r["registers"], spills if spills == "0 / 0" else f"[red]{spills}[/red]",
+                      f"{r['shared'] / 1024:.1f}", wgmma])
+    return table
+
+
+@command("compile")
+def compile_(
+    arch: List[Arch] = typer.Option(["sm_80", "sm_90"], help="GPU architecture to compile for; repeat for several."),
+    batch_size: int = typer.Option(1, help="B of the layer run that captures the launches."),
+    seq_len: int = typer.Option(128, help="L of that run."),
+    heads: int = typer.Option(32, help="H of that run (the 440m layer has 32; P, N and C are always 440m's)."),
+    dtype: DType = typer.Option("bf16", help="Autocast dtype of that run, as train.py --dtype (fp32: none)."),
+):
+    """Every Triton kernel a Mamba-3 layer launches, compiled for sm_80 / sm_90 on this machine: no GPU needed.
+
+    One mixer layer with the 440m layer's widths (P 64, N 128, chunk 64) runs forward and backward through
+    Triton's interpreter on CPU tensors, which records every kernel launch; each is then compiled with Triton's
+    own compiler for each --arch exactly as launched. Reports registers, spill bytes, shared memory and, on
+    sm_90, whether the code uses wgmma. Targets: [bold]no spills on any architecture, wgmma on sm_90[/bold]."""
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        fail(f"this Triton build ({triton.__version__}) has no NVIDIA backend to compile with")
+    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--heads", heads)):
+        if value < 1:
+            fail(f"{name} must be at least 1, found {value}")
+    t0 = time.perf_counter()
+    launches = run_isolated("capture_launches", True, batch_size=batch_size, seq_len=seq_len, heads=heads,
+                            dtype=dtype)
+    t1 = time.perf_counter()
+    rows = run_isolated("compile_launches", False, launches=launches, archs=[ARCHS[a.value] for a in arch])
+    t2 = time.perf_counter()
+    cfg = layer_config(heads)
+    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}, {dtype}; "
+                f"launches captured at B{batch_size} L{seq_len} H{heads}), compiled offline",
+                ["kernel", "constexprs", "arch", "warps / stages", "registers", "spill st / ld bytes", "shared KiB",
+                 "wgmma"], compile_table(rows))
+    failed = [r for r in rows if "error" in r]
+    spilled = [f"{r['label']} on sm_{r['arch']}" for r in rows if r.get("spill_stores") or r.get("spill_loads")]
+    dots90 = [r for r in rows if r["arch"] == 90 and r.get("dot")]
+    no_wgmma = [r["label"] for r in dots90 if not r["wgmma"]]
+    console.print(f"{len(launches)} distinct launches captured in {t1 - t0:.0f} s, compiled in {t2 - t1:.0f} s")
+    console.print("target, no spills on any architecture: " + (f"NOT met ({', '.join(spilled)})" if spilled else "met"))
+    if dots90:
+        used = len(dots90) - len(no_wgmma)
+        console.print("target, wgmma on sm_90: " + (f"NOT met, no HGMMA in {', '.join(no_wgmma)} ({used} of "
+                                                     f"{len(dots90)} kernels with a tl.dot use it)" if no_wgmma else "met"))
+    console.print("registers and spill bytes: ptxas -v as Triton ran it for each cubin; shared memory: the compiled "
+                  "kernel's metadata; wgmma: HGMMA instructions in the cubin's SASS (cuobjdump)")
+    console.print(f"machine: {machine()}, triton {triton.__version__}, no GPU used")
+    if failed:
+        raise typer.Exit(1)
+
+
 @command("all")
 def all_():
-    """kernels, data, ckpt and train with their defaults, one after the other."""
+    """kernels, data, ckpt and train with their defaults, one after the other (compile runs on its own)."""
     commands = typer.main.get_command(app).commands
     for name in ("kernels", "data", "ckpt", "train"):
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
