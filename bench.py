@@ -6,6 +6,7 @@
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
     python bench.py all       # the four above
     python bench.py compile   # every Triton kernel a layer launches, compiled for sm_80 / sm_90 (no GPU needed)
+    python bench.py gpu       # on a GPU: Triton vs torch accuracy and speed of a layer, then 30 training steps
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared machine
 slows every contender alike; the ratios are what to read, the absolute figures depend on the machine.
@@ -863,9 +864,190 @@ def compile_(
         raise typer.Exit(1)
 
 
+# -----------------------------------------------------------------------------
+# bench.py gpu
+
+# Max relative error (max |a - ref| / max |ref| over a tensor) a bf16 run may show, for the layer's output and
+# for every gradient; bf16 keeps 8 bits of mantissa (a relative 4e-3 per rounding) and a layer rounds many times.
+GPU_TOLERANCE = {"y": 3e-2, "gradients": 5e-2}
+
+
+def rel_err(a, ref) -> float:
+    err, scale = (a.double() - ref.double()).abs().max().item(), ref.double().abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
+    """The compulsory HBM traffic of the layer's region from the in_proj output to the gated output that goes
+    into out_proj (the scan and everything around it), counted from the shapes: forward reads each input once
+    (z, x, B, C, dd_dt, dd_A, trap, angle: the in_proj row) and writes the output once; backward reads the
+    saved input and the output's gradient once and writes the input's gradient once. Activations are act_bytes
+    per element; the region's parameters (dt_bias, the B/C norm weights and biases, D) are fp32, read once per
+    pass, their gradients written once. in_proj and out_proj are not in it: their traffic is the matmuls'."""
+    T = batch_size * seq_len
+    H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
+    row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z | x | B | C | dd_dt | dd_A | trap | angle
+    inputs, output = T * row * act_bytes, T * cfg.d_inner * act_bytes
+    params = 4 * (H + 2 * N + 2 * H * N + H)  # dt_bias, B/C norm weights, B/C biases, D
+    return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
+
+
+def layer_outputs(mixer, u, dy, impl: str, dtype: str) -> dict:
+    """The layer's output y and the gradients of its input u and of every parameter after one forward and
+    backward on the given scan path, under autocast to dtype (fp32: none), all as fp32 tensors by name."""
+    mixer.zero_grad(set_to_none=True)
+    u = u.detach().requires_grad_()
+    with scan_impl(impl):
+        with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
+            y = mixer(u)
+        y.backward(dy)
+    return {"y": y.detach().float(), "u": u.grad.float()} | {n: p.grad.float() for n, p in mixer.named_parameters()}
+
+
+def check_layer(mixer, u, dy) -> list:
+    """Triton vs torch path in bf16, each against a fp32 torch reference: rows of (tensor, shape, torch bf16 vs
+    fp32, triton vs fp32, triton vs torch bf16, tolerance, passed)."""
+    ref = layer_outputs(mixer, u, dy, "torch", "fp32")
+    torch_bf16 = layer_outputs(mixer, u, dy, "torch", "bf16")
+    triton_bf16 = layer_outputs(mixer, u, dy, "triton", "bf16")
+    rows = []
+    for name, r in ref.items():
+        a, b = torch_bf16[name], triton_bf16[name]
+        tol = GPU_TOLERANCE["y" if name == "y" else "gradients"]
+        errors = rel_err(a, r), rel_err(b, r), rel_err(b, a)
+        passed = bool(torch.isfinite(b).all()) and errors[1] <= tol and errors[2] <= tol
+        rows.append((name, tuple(r.shape), *errors, tol, passed))
+    return rows
+
+
+def time_layer(mixer, u, dy, reps: int) -> dict:
+    """Median seconds of one forward + backward of the layer under bf16 autocast on each scan path, and of its
+    two projections alone (in_proj and out_proj on inputs of the same shapes) to subtract."""
+    autocast = torch.autocast(u.device.type, dtype=torch.bfloat16)
+    u = u.detach().requires_grad_()
+    g = torch.randn(*u.shape[:2], mixer.cfg.d_inner, device=u.device, requires_grad=True)  # an out_proj input
+    da = torch.ones(*u.shape[:2], mixer.in_proj.out_features, device=u.device, dtype=torch.bfloat16)
+    dout = torch.ones(*u.shape, device=u.device, dtype=torch.bfloat16)
+
+    def layer(impl):
+        def run():
+            mixer.zero_grad(set_to_none=True)
+            u.grad = None
+            with scan_impl(impl):
+                with autocast:
+                    y = mixer(u)
+                y.backward(dy)
+        return run
+
+    def projections():
+        mixer.zero_grad(set_to_none=True)
+        u.grad = g.grad = None
+        with autocast:
+            a, out = mixer.in_proj(u), mixer.out_proj(g)
+        torch.autograd.backward([a, out], [da, dout])
+
+    return time_interleaved({"torch": layer("torch"), "triton": layer("triton"), "projections": projections}, reps,
+                            warmup=2)
+
+
+def train_throughput(compile_: bool, steps: int, total_batch_size: int, timeout: float) -> dict:
+    """`python train.py --data synthetic --model 440m` for a few steps in a subprocess, exactly as a user runs
+    it; returns its last metrics.jsonl training record (tok_per_s, mfu, ms_per_step over the last log window,
+    so after compilation and warm-up)."""
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
+        cmd = [sys.executable, "train.py", "--data", "synthetic", "--model", "440m", "--max-steps", str(steps),
+               "--total-batch-size", str(total_batch_size), "--log-every", str(max(1, steps // 3)), "--out-dir", out,
+               "--resume", "never", "--keep-last", "1", "--compile" if compile_ else "--no-compile"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run for a benchmark
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd[1:])} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("kind") == "train"][-1]
+
+
+@command()
+def gpu(
+    batch_size: int = typer.Option(8, help="B of the layer checked and timed (the 440m recipe's micro batch)."),
+    seq_len: int = typer.Option(2048, help="L of the layer checked and timed."),
+    reps: int = typer.Option(20, help="Interleaved repetitions of the layer timings."),
+    train_steps: int = typer.Option(30, help="Training steps per run of train.py; 0 skips the training runs."),
+    total_batch_size: int = typer.Option(16384, help="Tokens per optimizer step of those runs (default: one micro "
+                                         "batch, 8 x 2048, so that 30 steps fit the time; the preset's 524,288 "
+                                         "would take 32 micro-steps a step)."),
+):
+    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer, then train.py's tokens/s and MFU.
+
+    Sized to finish within ten minutes. (1) One mixer layer of the 440m model (H 32, P 64, N 128, chunk 64) in bf16
+    autocast on the Triton and on the torch path: the output and every gradient (input and parameters) against a
+    fp32 torch reference and against each other, with tolerances. (2) Forward + backward time of that layer on
+    both paths, and of the scan region alone (the layer minus its two projections) as a fraction of the HBM
+    roofline of its compulsory bytes, counted from the shapes. (3) train.py on synthetic data with the 440m
+    preset, torch.compile on and off: tokens/s and MFU."""
+    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--reps", reps)):
+        if value < 1:
+            fail(f"{name} must be at least 1, found {value}")
+    if train_steps < 0:
+        fail(f"--train-steps must be 0 (skip) or more, found {train_steps}")
+    if not torch.cuda.is_available():
+        fail("bench.py gpu needs a CUDA GPU and torch sees none here; without one, bench.py compile shows what a "
+             "GPU's compiler makes of the kernels")
+    import triton
+
+    torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
+    torch.manual_seed(0)
+    cfg = layer_config(32)
+    B, L = batch_size, seq_len
+    mixer = Mamba3Mixer(cfg).cuda()
+    u = torch.randn(B, L, cfg.d_model, device="cuda")
+    dy = torch.randn(B, L, cfg.d_model, device="cuda")
+    shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+
+    rows = check_layer(mixer, u, dy)
+    print_table(f"one 440m mixer layer, {shape}, bf16 autocast: max |a - ref| / max |ref| per tensor",
+                ["tensor", "shape", "torch bf16 vs fp32", "triton bf16 vs fp32", "triton vs torch bf16", "tolerance",
+                 ""], [[name, "x".join(map(str, s)), f"{e0:.1e}", f"{e1:.1e}", f"{e2:.1e}", f"{tol:.0e}",
+                        "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+
+    t = time_layer(mixer, u, dy, reps)
+    moved = sum(region_bytes(cfg, B, L).values())
+    bw = hbm_bandwidth()
+    table = []
+    for path in ("torch", "triton"):
+        region = t[path] - t["projections"]
+        roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
+        table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}", f"{t['torch'] / t[path]:.2f}x", roofline])
+    print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
+                ["scan path", "layer ms", "region ms (layer - projections)", "layer speed-up vs torch",
+                 "region of HBM roofline"], table)
+    console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory traffic {moved / 1e6:,.0f} MB "
+                  f"(counted from the shapes, forward + backward)" + (f" at {bw / 1e12:.2f} TB/s = "
+                  f"{moved / bw * 1e3:.3f} ms" if bw else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}"))
+    del mixer, u, dy
+    torch.cuda.empty_cache()
+
+    if train_steps:
+        table, errors = [], []
+        for compile_ in (True, False):
+            try:
+                r = train_throughput(compile_, train_steps, total_batch_size, timeout=240)
+                mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+                table.append(["on" if compile_ else "off", f"{r['tok_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", mfu])
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # a failed run is a finding: shown, then the rest
+                table.append(["on" if compile_ else "off", "[red]failed[/red]", "", ""])
+                errors.append(str(e))
+        print_table(f"python train.py --data synthetic --model 440m --max-steps {train_steps} --total-batch-size "
+                    f"{total_batch_size}: the last log window", ["torch.compile", "tokens/s", "ms/step", "MFU"], table)
+        for e in errors:
+            console.print(e, markup=False, highlight=False)
+    console.print(f"machine: {machine()}, triton {triton.__version__}")
+    if not all(ok for *_, ok in rows):
+        raise typer.Exit(1)
+
+
 @command("all")
 def all_():
-    """kernels, data, ckpt and train with their defaults, one after the other (compile runs on its own)."""
+    """kernels, data, ckpt and train with their defaults, one after the other (compile and gpu run on their own)."""
     commands = typer.main.get_command(app).commands
     for name in ("kernels", "data", "ckpt", "train"):
         commands[name].callback(**{p.name: p.default for p in commands[name].params})

@@ -1,5 +1,8 @@
 """bench.py: its commands parse and refuse the way the other CLIs do, the existing tables still run on tiny
-settings, and (slow) every kernel the layer launches compiled for sm_90 without spills."""
+settings, and the GPU evidence that needs no GPU: the compulsory byte count, the Triton vs torch layer check
+(through the interpreter), and (slow) every kernel the layer launches compiled for sm_90 without spills."""
+import dataclasses
+
 import pytest
 import torch
 import typer
@@ -7,6 +10,7 @@ from typer.testing import CliRunner
 
 import bench
 import train
+from model import PRESETS, Mamba3Mixer
 
 runner = CliRunner()
 
@@ -25,7 +29,7 @@ def flags(app):
 def test_one_flag_name_per_idea_shared_with_train():
     ours = flags(bench.app)
     assert not ours & {"--batch", "--models", "--preset", "--dir", "--out", "--ckpt"}
-    for flag in ("--batch-size", "--seq-len", "--model", "--device", "--dtype", "--compile"):
+    for flag in ("--batch-size", "--seq-len", "--model", "--device", "--dtype", "--compile", "--total-batch-size"):
         assert flag in ours, flag
     # the ideas both CLIs have are spelled as train.py spells them
     assert {"--batch-size", "--seq-len", "--model", "--device", "--compile", "--total-batch-size"} <= flags(train.app)
@@ -48,12 +52,23 @@ def test_bad_choices_exit_2(args):
 @pytest.mark.parametrize("args,message", [
     (["kernels", "--seq-len", 100, "--chunk-size", 64], "--seq-len 100 must be a multiple of --chunk-size 64"),
     (["compile", "--heads", 0], "--heads must be at least 1"),
+    (["gpu", "--reps", 0], "--reps must be at least 1"),
+    (["gpu", "--train-steps", -1], "--train-steps must be 0"),
 ])
 def test_bad_values_get_one_paragraph_and_exit_2(args, message):
     result = invoke(*args)
     assert result.exit_code == 2
     assert result.output.startswith("error: ") and message in result.output
     assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_gpu_refuses_cleanly_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke("gpu")
+    assert result.exit_code == 2
+    assert result.output.startswith("error: ") and "CUDA" in result.output and result.output.count("\n") == 1
+    result = invoke("kernels", "--device", "cuda")
+    assert result.exit_code == 2 and "--device cuda" in result.output and result.output.count("\n") == 1
 
 
 def test_existing_tables_still_run_on_tiny_settings(tmp_path):
@@ -71,6 +86,35 @@ def test_existing_tables_still_run_on_tiny_settings(tmp_path):
         assert result.exit_code == 0, (args, result.output)
         assert "machine: " in result.output
     assert torch.get_num_threads() == threads  # bench.py data gives the cores back
+
+
+def test_region_bytes_counts_the_region_tensors():
+    # the analytic count against the sizes of the real tensors: the in_proj output (read forward and again
+    # backward, its gradient written), the gated output (written, its gradient read), the parameters between
+    cfg = dataclasses.replace(PRESETS["small"], ngroups=2, rope_fraction=0.75)
+    mixer = Mamba3Mixer(cfg)
+    B, L = 3, 10
+    a = mixer.in_proj(torch.zeros(B, L, cfg.d_model)).to(torch.bfloat16)
+    gated = torch.zeros(B, L, cfg.d_inner, dtype=torch.bfloat16)
+    params = sum(p.numel() * p.element_size() for name, p in mixer.named_parameters() if "proj" not in name)
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    assert bench.region_bytes(cfg, B, L) == {"forward": size(a) + size(gated) + params,
+                                             "backward": 2 * size(a) + size(gated) + 2 * params}
+    assert bench.region_bytes(cfg, B, L, act_bytes=4)["forward"] == 2 * (size(a) + size(gated)) + params
+
+
+@pytest.mark.interpreter
+def test_the_gpu_layer_check_passes_through_the_interpreter():
+    # bench.py gpu's comparison, on CPU tensors: the Triton path (interpreted) and the torch path in bf16
+    # autocast against the fp32 torch path, every tensor within the command's tolerances
+    cfg = bench.layer_config(2)
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(cfg)
+    u, dy = torch.randn(1, 80, cfg.d_model), torch.randn(1, 80, cfg.d_model)
+    rows = bench.check_layer(mixer, u, dy)
+    assert [r[0] for r in rows] == ["y", "u"] + [name for name, _ in mixer.named_parameters()]
+    for name, shape, torch_err, triton_err, between, tol, passed in rows:
+        assert passed and 0 < triton_err <= tol, (name, triton_err, between, tol)
 
 
 @pytest.mark.interpreter
