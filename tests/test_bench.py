@@ -104,6 +104,7 @@ def test_region_bytes_counts_the_region_tensors():
 
 
 @pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast on rms_norm
 def test_the_gpu_layer_check_passes_through_the_interpreter():
     # bench.py gpu's comparison, on CPU tensors: the Triton path (interpreted) and the torch path in bf16
     # autocast against the fp32 torch path, every tensor within the command's tolerances
