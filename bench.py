@@ -184,15 +184,15 @@ def hbm_bandwidth():
 
 @command()
 def kernels(
-    batch_size: int = typer.Option(2, help="B"),
-    seq_len: int = typer.Option(1024, help="L (a multiple of --chunk-size, for the baseline)"),
-    heads: int = typer.Option(8, help="H"),
-    headdim: int = typer.Option(64, help="P"),
-    d_state: int = typer.Option(64, help="N"),
-    chunk_size: int = typer.Option(64, help="C"),
+    batch_size: int = typer.Option(2, min=1, help="B"),
+    seq_len: int = typer.Option(1024, min=1, help="L (a multiple of --chunk-size, for the baseline)"),
+    heads: int = typer.Option(8, min=1, help="H"),
+    headdim: int = typer.Option(64, min=1, help="P"),
+    d_state: int = typer.Option(64, min=1, help="N"),
+    chunk_size: int = typer.Option(64, min=1, help="C"),
     dtype: DType = typer.Option("fp32", help="Dtype of x, q, k (log_a, gamma, beta stay fp32)."),
     device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
-    reps: int = typer.Option(25, help="Interleaved repetitions per path."),
+    reps: int = typer.Option(25, min=1, help="Interleaved repetitions per path."),
     recurrent: bool = typer.Option(True, help="Also time the token-by-token recurrence (slow)."),
 ):
     """The scan: fwd and fwd+bwd time of every available ssd path vs a minimal-SSD baseline.
@@ -375,12 +375,12 @@ def _bench_loaders(path, files, tokens, L, B, reps, per_call):
 
 @command()
 def data(
-    tokens: int = typer.Option(50_000_000, help="Tokens in the synthetic stream (uint16, GPT-2 vocabulary)."),
-    shard_tokens: int = typer.Option(8192, help="Tokens per file of the sharded copy of the same stream."),
-    seq_len: int = typer.Option(2048, help="L"),
-    batch_size: int = typer.Option(16, help="B"),
-    reps: int = typer.Option(60, help="Interleaved repetitions per loader."),
-    per_call: int = typer.Option(10, help="Batches per timed call."),
+    tokens: int = typer.Option(50_000_000, min=1, help="Tokens in the synthetic stream (uint16, GPT-2 vocabulary)."),
+    shard_tokens: int = typer.Option(8192, min=1, help="Tokens per file of the sharded copy of the same stream."),
+    seq_len: int = typer.Option(2048, min=1, help="L"),
+    batch_size: int = typer.Option(16, min=1, help="B"),
+    reps: int = typer.Option(60, min=1, help="Interleaved repetitions per loader."),
+    per_call: int = typer.Option(10, min=1, help="Batches per timed call."),
     prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py on the demo corpus."),
     workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a temporary directory, "
                                            "removed afterwards)."),
@@ -468,7 +468,7 @@ def ckpt(
     params: float = typer.Option(100e6, help="Parameters of the benchmark model (a stack of 2048x2048 Linear layers)."),
     model: Optional[Literal[tuple(PRESETS)]] = typer.Option(None, help="Checkpoint this preset's model instead of "
                                                             "the Linear stack."),
-    reps: int = typer.Option(7, help="Interleaved repetitions."),
+    reps: int = typer.Option(7, min=1, help="Interleaved repetitions."),
     workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure (default: the system "
                                            "temporary directory)."),
 ):
@@ -525,8 +525,8 @@ def ckpt(
 def train_step(
     model: Optional[List[Preset]] = typer.Option(None, help="A preset to time; repeat for several (default: tiny "
                                                  "and small on a CPU, every preset on a GPU)."),
-    steps: int = typer.Option(5, help="Timed optimizer steps per preset."),
-    warmup: int = typer.Option(2, help="Untimed steps first (allocation, torch.compile)."),
+    steps: int = typer.Option(5, min=1, help="Timed optimizer steps per preset."),
+    warmup: int = typer.Option(2, min=0, help="Untimed steps first (allocation, torch.compile)."),
     device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: "
                                            "on for CUDA, off for CPU)."),
@@ -542,7 +542,8 @@ def train_step(
     compile_ = dev == "cuda" if compile is None else compile
     names = [m.value for m in model] if model else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
-    peak = trainer.peak_flops(dev)
+    gpu_name = torch.cuda.get_device_name() if dev == "cuda" else ""
+    peak = next((f for key, f in trainer.PEAK_FLOPS.items() if key in gpu_name), None)
     rows = []
     for name in names:
         recipe = trainer.RECIPES[name]
@@ -818,10 +819,10 @@ def compile_table(rows: list) -> list:
 @command("compile")
 def compile_(
     arch: List[Arch] = typer.Option(["sm_80", "sm_90"], help="GPU architecture to compile for; repeat for several."),
-    batch_size: int = typer.Option(1, help="B of the layer run that captures the launches."),
-    seq_len: int = typer.Option(128, help="L of that run (any multiple of 1024 gives exactly the binaries of "
+    batch_size: int = typer.Option(1, min=1, help="B of the layer run that captures the launches."),
+    seq_len: int = typer.Option(128, min=1, help="L of that run (any multiple of 1024 gives exactly the binaries of "
                                 "L 2048, at eight times the capture time or more)."),
-    heads: int = typer.Option(32, help="H of that run (the 440m layer has 32; P, N and C are always 440m's)."),
+    heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32; P, N and C are always 440m's)."),
     dtype: DType = typer.Option("bf16", help="Autocast dtype of that run, as train.py --dtype (fp32: none)."),
 ):
     """Every Triton kernel a Mamba-3 layer launches, compiled for sm_80 / sm_90 on this machine: no GPU needed.
@@ -834,9 +835,6 @@ def compile_(
 
     if "nvidia" not in triton.backends.backends:
         fail(f"this Triton build ({triton.__version__}) has no NVIDIA backend to compile with")
-    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--heads", heads)):
-        if value < 1:
-            fail(f"{name} must be at least 1, found {value}")
     t0 = time.perf_counter()
     launches = run_isolated("capture_launches", True, batch_size=batch_size, seq_len=seq_len, heads=heads,
                             dtype=dtype)
@@ -969,12 +967,12 @@ def train_throughput(compile_: bool, steps: int, total_batch_size: int, timeout:
 
 @command()
 def gpu(
-    batch_size: int = typer.Option(8, help="B of the layer checked and timed (the 440m recipe's micro batch)."),
-    seq_len: int = typer.Option(2048, help="L of the layer checked and timed."),
-    reps: int = typer.Option(20, help="Interleaved repetitions of the layer timings."),
-    train_steps: int = typer.Option(30, help="Training steps per run of train.py; 0 skips the training runs."),
-    total_batch_size: int = typer.Option(16384, help="Tokens per optimizer step of those runs (default: one micro "
-                                         "batch, 8 x 2048, so that 30 steps fit the time; the preset's 524,288 "
+    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (the 440m recipe's micro batch)."),
+    seq_len: int = typer.Option(2048, min=1, help="L of the layer checked and timed."),
+    reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
+    train_steps: int = typer.Option(30, min=0, help="Training steps per run of train.py; 0 skips the training runs."),
+    total_batch_size: int = typer.Option(16384, min=1, help="Tokens per optimizer step of those runs (default: one "
+                                         "micro batch, 8 x 2048, so that 30 steps fit the time; the preset's 524,288 "
                                          "would take 32 micro-steps a step)."),
 ):
     """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer, then train.py's tokens/s and MFU.
@@ -985,11 +983,6 @@ def gpu(
     both paths, and of the scan region alone (the layer minus its two projections) as a fraction of the HBM
     roofline of its compulsory bytes, counted from the shapes. (3) train.py on synthetic data with the 440m
     preset, torch.compile on and off: tokens/s and MFU."""
-    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--reps", reps)):
-        if value < 1:
-            fail(f"{name} must be at least 1, found {value}")
-    if train_steps < 0:
-        fail(f"--train-steps must be 0 (skip) or more, found {train_steps}")
     if not torch.cuda.is_available():
         fail("bench.py gpu needs a CUDA GPU and torch sees none here; without one, bench.py compile shows what a "
              "GPU's compiler makes of the kernels")
