@@ -1,20 +1,33 @@
-"""Throughput tables for mamba3-lite, measured against baselines run in the same process.
+"""Benchmarks for mamba3-lite: throughput against baselines run in the same process, and the GPU path's evidence.
 
     python bench.py kernels   # the Mamba-3 scan: every ssd path vs a minimal-SSD baseline
     python bench.py data      # the data loader vs a raw memcpy of the same windows; prepare.py tokens/s
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
-    python bench.py all
+    python bench.py all       # the four above
+    python bench.py compile   # every Triton kernel a layer launches, compiled for sm_80 / sm_90 (no GPU needed)
+    python bench.py gpu       # on a GPU: Triton vs torch accuracy and speed of a layer, then 30 training steps
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared machine
 slows every contender alike; the ratios are what to read, the absolute figures depend on the machine.
 """
 import contextlib
+import dataclasses
+import enum
+import inspect
+import io
+import json
 import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Optional
+import warnings
+from pathlib import Path
+from typing import List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +35,47 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+from model import PRESETS, Mamba3LM, Mamba3Mixer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
 console = Console(width=None if os.isatty(1) else 140)
+ROOT = Path(__file__).resolve().parent
+
+# the choices, spelled as train.py spells them
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["bf16", "fp16", "fp32"]
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+Preset = enum.Enum("Preset", {name: name for name in PRESETS}, type=str)  # an Enum: --model repeats
+
+
+def command(name: Optional[str] = None):
+    """app.command, with each paragraph of the docstring joined into one line: Typer's rich help keeps the
+    line breaks of the source, which would break its paragraphs at the source's width instead of the terminal's."""
+    def register(fn):
+        fn.__doc__ = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(fn.__doc__).split("\n\n"))
+        return app.command(name)(fn)
+    return register
+
+
+def fail(message: str):
+    """Bad input or a machine that cannot run the command: one paragraph on stderr, exit code 2."""
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but torch sees no CUDA device; use --device cpu (or auto)")
+    return device
 
 
 @app.callback()
 def main():
-    """Throughput tables against baselines run in the same process (see each command's --help)."""
+    """Benchmarks for mamba3-lite: throughput against baselines run in the same process, and the GPU path's
+    evidence (see each command's --help)."""
 
 
 # -----------------------------------------------------------------------------
@@ -122,37 +169,43 @@ def ssd_minimal(x, q, k, log_a, gamma, beta, chunk_size=64):
     return Y.reshape(B, L, H, P), final
 
 
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
-                   "A100": 1.55e12, "L40S": 0.864e12, "A10": 0.6e12, "RTX 4090": 1.0e12, "RTX 3090": 0.936e12}
+# Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins, so the
+# more specific names come first; "NVIDIA H100 80GB HBM3" is the SXM part).
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H800": 3.35e12,
+                   "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12, "A100": 1.56e12, "L40S": 0.864e12,
+                   "L4": 0.3e12, "A10G": 0.6e12, "A10": 0.6e12, "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
 
 
 def hbm_bandwidth():
+    """Peak HBM bytes/s of this GPU by its name (None for a GPU not in HBM_BYTES_PER_S)."""
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
 
 
-@app.command()
+@command()
 def kernels(
-    batch: int = typer.Option(2, help="B"),
-    seq_len: int = typer.Option(1024, help="L (a multiple of --chunk-size, for the baseline)"),
-    heads: int = typer.Option(8, help="H"),
-    headdim: int = typer.Option(64, help="P"),
-    d_state: int = typer.Option(64, help="N"),
-    chunk_size: int = typer.Option(64, help="C"),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16 (x, q, k; log_a, gamma, beta stay float32)"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    reps: int = typer.Option(25, help="interleaved repetitions per path"),
-    recurrent: bool = typer.Option(True, help="also time the token-by-token recurrence (slow)"),
+    batch_size: int = typer.Option(2, min=1, help="B"),
+    seq_len: int = typer.Option(1024, min=1, help="L (a multiple of --chunk-size, for the baseline)"),
+    heads: int = typer.Option(8, min=1, help="H"),
+    headdim: int = typer.Option(64, min=1, help="P"),
+    d_state: int = typer.Option(64, min=1, help="N"),
+    chunk_size: int = typer.Option(64, min=1, help="C"),
+    dtype: DType = typer.Option("fp32", help="Dtype of x, q, k (log_a, gamma, beta stay fp32)."),
+    device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
+    reps: int = typer.Option(25, min=1, help="Interleaved repetitions per path."),
+    recurrent: bool = typer.Option(True, help="Also time the token-by-token recurrence (slow)."),
 ):
-    """fwd and fwd+bwd time of every available ssd path vs the minimal-SSD baseline.
-    The issue's CPU setting is the default; the GPU one is --batch 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bfloat16."""
+    """The scan: fwd and fwd+bwd time of every available ssd path vs a minimal-SSD baseline.
+
+    The defaults are a CPU-sized problem; the 440m layer on a GPU is
+    [bold]--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16[/bold]."""
     import kernels as K
 
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dt = getattr(torch, dtype)
-    B, L, H, P, N = batch, seq_len, heads, headdim, d_state
+    dev = resolve_device(device)
+    dt = TORCH_DTYPE[dtype]
+    B, L, H, P, N = batch_size, seq_len, heads, headdim, d_state
     if L % chunk_size:
-        raise typer.BadParameter(f"--seq-len {L} must be a multiple of --chunk-size {chunk_size} for the baseline")
+        fail(f"--seq-len {L} must be a multiple of --chunk-size {chunk_size} for the baseline")
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def make(*shape, scale=1.0, positive=False, dtype=dt):
@@ -320,31 +373,31 @@ def _bench_loaders(path, files, tokens, L, B, reps, per_call):
     return {name: t / per_call for name, t in times.items()}
 
 
-@app.command()
+@command()
 def data(
-    tokens: int = typer.Option(50_000_000, help="tokens in the synthetic stream (uint16, GPT-2 vocabulary)"),
-    shard_tokens: int = typer.Option(8192, help="tokens per file of the sharded copy of the same stream"),
-    seq_len: int = typer.Option(2048, help="L"),
-    batch: int = typer.Option(16, help="B"),
-    reps: int = typer.Option(60, help="interleaved repetitions per loader"),
-    per_call: int = typer.Option(10, help="batches per timed call"),
-    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="also time prepare.py on the demo corpus"),
-    workdir: str = typer.Option(None, help="where the token files go (default: a temporary directory)"),
+    tokens: int = typer.Option(50_000_000, min=1, help="Tokens in the synthetic stream (uint16, GPT-2 vocabulary)."),
+    shard_tokens: int = typer.Option(8192, min=1, help="Tokens per file of the sharded copy of the same stream."),
+    seq_len: int = typer.Option(2048, min=1, help="L"),
+    batch_size: int = typer.Option(16, min=1, help="B"),
+    reps: int = typer.Option(60, min=1, help="Interleaved repetitions per loader."),
+    per_call: int = typer.Option(10, min=1, help="Batches per timed call."),
+    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py on the demo corpus."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a temporary directory, "
+                                           "removed afterwards)."),
 ):
-    """Loader tokens/s on random windows, warm page cache, one core, against the limit: a raw copy of the same
-    kind of windows into a fresh int64 (B, L+1) buffer (what the loader returns x and y as views of), with every
-    window's address found in advance, outside the timer. Baselines: nanoGPT's get_batch and a loader stitching
-    windows through Python lists. Then prepare.py tokens/s on the demo corpus with 1 and 2 workers (byte, and
-    gpt2 where tiktoken can load its BPE file)."""
+    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py's tokens/s.
+
+    One core, warm page cache. The limit is a raw copy of the same kind of windows into a fresh int64 (B, L+1)
+    buffer (what the loader returns x and y as views of), with every window's address found in advance, outside
+    the timer. Baselines: nanoGPT's get_batch and a loader stitching windows through Python lists. Then prepare.py
+    on the demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
     import shutil
-    import tempfile
-    from pathlib import Path
 
     import numpy as np
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core, as the issue asks (restored below for `bench.py all`)
-    B, L = batch, seq_len
+    torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below for `bench.py all`)
+    B, L = batch_size, seq_len
     root = Path(workdir or tempfile.mkdtemp(prefix="bench-data-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -410,47 +463,46 @@ def _bench_prepare(root):
 # bench.py ckpt
 
 
-@app.command()
+@command()
 def ckpt(
-    params: float = typer.Option(100e6, help="parameters of the benchmark model (a stack of 2048x2048 Linear layers)"),
-    preset: str = typer.Option("", help="use this model.py preset instead of the Linear stack (e.g. 180m)"),
-    reps: int = typer.Option(7, help="interleaved repetitions"),
-    dir: str = typer.Option("", help="directory on the disk to measure (default: the system temp dir)"),
+    params: float = typer.Option(100e6, help="Parameters of the benchmark model (a stack of 2048x2048 Linear layers)."),
+    model: Optional[Literal[tuple(PRESETS)]] = typer.Option(None, help="Checkpoint this preset's model instead of "
+                                                            "the Linear stack."),
+    reps: int = typer.Option(7, min=1, help="Interleaved repetitions."),
+    workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure (default: the system "
+                                           "temporary directory)."),
 ):
     """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the same state, with AdamW, on CPU.
-    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic renames."""
-    import tempfile
 
+    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic renames."""
     import ckpt as C
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
-    if preset:
-        from model import PRESETS, Mamba3LM
-
-        model = Mamba3LM(PRESETS[preset])
+    if model:
+        net = Mamba3LM(PRESETS[model])
     else:
-        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(max(1, round(params / 2048**2)))])
-    opt = torch.optim.AdamW(model.parameters())
-    for p in model.parameters():  # one step so that AdamW holds its two moments per parameter
+        net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(max(1, round(params / 2048**2)))])
+    opt = torch.optim.AdamW(net.parameters())
+    for p in net.parameters():  # one step so that AdamW holds its two moments per parameter
         p.grad = torch.randn_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in net.parameters())
 
-    with tempfile.TemporaryDirectory(dir=dir or None) as d:
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
         bare_model, bare_optim = os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")
 
         def bare_save():
-            save_file(model.state_dict(), bare_model)
+            save_file(net.state_dict(), bare_model)
             torch.save({"optimizer": opt.state_dict()}, bare_optim)
 
         def bare_load():
-            model.load_state_dict(load_file(bare_model))
+            net.load_state_dict(load_file(bare_model))
             opt.load_state_dict(torch.load(bare_optim, weights_only=True)["optimizer"])
 
-        saves = time_interleaved({"bare": bare_save, "ckpt": lambda: C.save(d, 1, model, opt, {"bench": True})}, reps)
-        loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, model, opt)}, reps)
+        saves = time_interleaved({"bare": bare_save, "ckpt": lambda: C.save(d, 1, net, opt, {"bench": True})}, reps)
+        loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(os.path.join(d, n)) for n in C._names(1)[:2])
 
     rows = []
@@ -458,37 +510,40 @@ def ckpt(
         rows.append([what, f"{t['bare']:.2f}", f"{t['ckpt']:.2f}", f"{t['ckpt'] / t['bare']:.2f}x",
                      f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"])
     cols = ["", "bare s", "ckpt s", "ckpt / bare", "bare GB/s", "ckpt GB/s"]
-    what = f"{preset} preset" if preset else "Linear stack"
+    what = f"{model} preset" if model else "Linear stack"
     print_table(f"checkpoint of {n_params / 1e6:.0f}M params ({what}) + AdamW state: {size / 1e9:.2f} GB, "
                 f"medians of {reps}", cols, rows)
     console.print("save target: ckpt / bare <= 1.30x (ckpt.save includes sha256, fsync, renames; bare does neither)")
-    console.print(f"machine: {machine()}, checkpoint dir on {dir or tempfile.gettempdir()}")
+    console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
 
 
 # -----------------------------------------------------------------------------
 # bench.py train
 
 
-@app.command("train")
+@command("train")
 def train_step(
-    models: str = typer.Option("", help="Comma-separated presets (default: tiny,small on a CPU, every preset on a GPU)."),
-    steps: int = typer.Option(5, help="Timed optimizer steps per preset."),
-    warmup: int = typer.Option(2, help="Untimed steps first (allocation, torch.compile)."),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Default: on for CUDA, off for CPU."),
+    model: Optional[List[Preset]] = typer.Option(None, help="A preset to time; repeat for several (default: tiny "
+                                                 "and small on a CPU, every preset on a GPU)."),
+    steps: int = typer.Option(5, min=1, help="Timed optimizer steps per preset."),
+    warmup: int = typer.Option(2, min=0, help="Untimed steps first (allocation, torch.compile)."),
+    device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: "
+                                           "on for CUDA, off for CPU)."),
 ):
-    """Tokens/s, ms/step and MFU of training steps per preset (one micro batch of the preset's recipe per step,
-    AdamW, bf16 autocast on CUDA), excluding warm-up and compilation. A preset that runs out of memory is
-    reported as not fitting."""
-    import dataclasses
+    """Tokens/s, ms/step and MFU of training steps per preset.
 
+    One micro batch of the preset's recipe per step, AdamW, bf16 autocast on CUDA; warm-up and compilation are
+    not timed. A preset that runs out of memory is reported as not fitting."""
     import train as trainer
-    from model import PRESETS, Mamba3LM
 
-    dev, dtype, compile_ = trainer.resolve_device(device, "auto", compile)
-    names = models.split(",") if models else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
+    dev = resolve_device(device)
+    dtype = "bf16" if dev == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    compile_ = dev == "cuda" if compile is None else compile
+    names = [m.value for m in model] if model else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
-    peak = trainer.peak_flops(dev)
+    gpu_name = torch.cuda.get_device_name() if dev == "cuda" else ""
+    peak = next((f for key, f in trainer.PEAK_FLOPS.items() if key in gpu_name), None)
     rows = []
     for name in names:
         recipe = trainer.RECIPES[name]
@@ -496,9 +551,9 @@ def train_step(
         vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus vs GPT-2 BPE
         torch.manual_seed(0)
         try:
-            model = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
-            opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
-            fwd = torch.compile(model) if compile_ else model
+            lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
+            opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
+            fwd = torch.compile(lm) if compile_ else lm
             tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
 
             def step():
@@ -515,12 +570,12 @@ def train_step(
                 step()
             sync()
             dt = (time.perf_counter() - t0) / steps
-            n_params, flops = model.num_params(), model.flops_per_token(L)
+            n_params, flops = lm.num_params(), lm.flops_per_token(L)
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
             continue
         finally:
-            model = opt = fwd = None
+            lm = opt = fwd = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
         tok_s = B * L / dt
@@ -531,9 +586,462 @@ def train_step(
     console.print(f"machine: {machine()}")
 
 
-@app.command("all")
+# -----------------------------------------------------------------------------
+# bench.py compile
+#
+# What a GPU's compiler makes of the Triton kernels, without a GPU. First, one mixer layer runs forward and
+# backward on CPU tensors through Triton's interpreter, and every kernel launch is recorded the way the JIT
+# sees it: the kernel, its arguments (tensors by dtype and 16-byte alignment, numbers by value: the JIT
+# specializes on both) and the launch keywords (constexprs, num_warps, num_stages). Nothing here names a
+# kernel: whatever the layer launches is what gets compiled. Then, in a process where Triton is not
+# interpreted, each launch goes to its kernel's own JITFunction.warmup for a GPU target that is not here, so
+# Triton specializes and compiles it (through ptxas to a cubin) exactly as that launch on that GPU would.
+
+ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100, "sm_120": 120}
+Arch = enum.Enum("Arch", {name: name for name in ARCHS}, type=str)
+
+
+def layer_config(heads: int):
+    """The 440m preset's mixer with `heads` heads (d_model follows); P, N, C, the groups and angles unchanged.
+    The in_proj row, every kernel's token stride, is a multiple of 16 elements exactly when heads is, as at 440m's
+    32 heads: the JIT specializes on that divisibility, so 16 or 32 heads compile the same code."""
+    cfg = PRESETS["440m"]
+    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand)
+
+
+@contextlib.contextmanager
+def scan_impl(impl: str):
+    """Select the scan's path inside, through MAMBA3_IMPL (it overrides impl="auto", the model's default)."""
+    previous = os.environ.get("MAMBA3_IMPL")
+    os.environ["MAMBA3_IMPL"] = impl
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["MAMBA3_IMPL"]
+        else:
+            os.environ["MAMBA3_IMPL"] = previous
+
+
+def _describe(value, where: str):
+    """A launch argument as the JIT's specializer sees it, in JSON terms."""
+    import triton.language as tl
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "aligned": value.data_ptr() % 16 == 0}
+    if isinstance(value, tl.dtype):
+        return {"tl": str(value)}
+    if isinstance(value, tl.constexpr):
+        value = value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{where} is a {type(value).__name__}, which bench.py compile cannot describe to the compiler")
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Inside, every launch of every @triton.jit kernel run by Triton's interpreter is recorded (and still runs):
+    yields the list of distinct launches, each the kernel's module and qualified name, its args and kwargs
+    described by _describe. Needs a process whose Triton is interpreted (TRITON_INTERPRET=1 before triton is
+    imported)."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("recording Triton launches needs Triton's interpreter: set TRITON_INTERPRET=1 before "
+                           "triton is imported (bench.py compile runs its capture in a subprocess that does)")
+    launches, seen = [], set()
+    launch = InterpretedFunction.run
+
+    def record(kernel, *args, grid, warmup, **kwargs):  # kernel[grid](...) and autotuners all end up here
+        name = kernel.fn.__qualname__
+        described = {"module": kernel.fn.__module__, "name": name,
+                     "args": [_describe(a, f"{name} argument {i}") for i, a in enumerate(args)],
+                     "kwargs": {k: _describe(v, f"{name} argument {k}") for k, v in kwargs.items()}}
+        key = json.dumps(described, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            launches.append(described)
+        return launch(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = record
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = launch
+
+
+def capture_launches(batch_size: int = 1, seq_len: int = 128, heads: int = 32, dtype: str = "bf16") -> list:
+    """Every distinct Triton kernel launch of one mixer layer (layer_config(heads)), forward and backward, with
+    the Triton path selected, under autocast to dtype (none for fp32) as train.py runs it; see
+    recording_launches."""
+    torch.manual_seed(0)
+    cfg = layer_config(heads)
+    mixer = Mamba3Mixer(cfg)
+    u = torch.randn(batch_size, seq_len, cfg.d_model, requires_grad=True)
+    with recording_launches() as launches, scan_impl("triton"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU autocast's notes on mixed-dtype rms_norm
+        with torch.autocast("cpu", dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
+            y = mixer(u)
+        y.backward(torch.randn_like(y))
+    return launches
+
+
+class _OfflineGPU:
+    """What JITFunction.warmup asks of Triton's active driver, answered for a GPU that is not here."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.target.arch  # the JIT keeps one kernel cache per device: one per target here
+
+    def get_current_stream(self, device):
+        return 0
+
+
+def _stand_in(value):
+    """A described argument back as something the JIT's specializer takes: a MockTensor at an address that is
+    16-byte aligned or not, a tl dtype, or the number itself."""
+    import triton.language as tl
+    from triton.runtime.jit import MockTensor
+
+    if isinstance(value, dict) and "tensor" in value:
+        pointer = MockTensor(getattr(torch, value["tensor"]))
+        pointer.data_ptr = (lambda: 0) if value["aligned"] else (lambda: 8)
+        return pointer
+    return tl.dtype(value["tl"]) if isinstance(value, dict) else value
+
+
+def _jit_function(module: str, name: str):
+    """The JITFunction behind a kernel's module and qualified name (through @triton.autotune / heuristics)."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
+
+
+def _ptxas_figures(log: str) -> dict:
+    """Registers and spill bytes from ptxas -v's report on one kernel."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not (registers and spills):
+        raise RuntimeError(f"no ptxas -v report to read registers and spills from (got {log[:200]!r})")
+    return dict(registers=int(registers.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+
+
+def compile_launches(launches: list, archs: list) -> list:
+    """Compile each launch (capture_launches' output) for each compute capability in archs (80 is sm_80) and
+    report per distinct binary: registers and spill bytes as ptxas -v reported them while Triton built the
+    cubin, shared memory from the kernel's metadata, whether its Triton IR has a tl.dot and whether its SASS
+    has wgmma instructions (HGMMA). Needs a process whose Triton is not interpreted, and leaves Triton's active
+    driver answering for the last target: run it in a process of its own (run_isolated). No GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if triton.knobs.runtime.interpret:
+        raise RuntimeError("compile_launches needs Triton not interpreted: run it with TRITON_INTERPRET=0")
+    rows, seen = [], set()
+    with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope():
+        triton.knobs.compilation.always_compile = True  # no cache: ptxas runs, and logs, for every binary
+        triton.knobs.nvidia.dump_ptxas_log = True
+        for arch in archs:
+            triton.runtime.driver.set_active(_OfflineGPU(GPUTarget("cuda", arch, 32)))
+            for i, launch in enumerate(launches):
+                row = {"launch": i, "arch": arch, "kernel": launch["name"],
+                       "constexprs": {k: v for k, v in launch["kwargs"].items() if k not in ("num_warps", "num_stages")}}
+                try:
+                    fn = _jit_function(launch["module"], launch["name"])
+                    args = [_stand_in(a) for a in launch["args"]]
+                    kwargs = {k: _stand_in(v) for k, v in launch["kwargs"].items()}
+                    with contextlib.redirect_stdout(io.StringIO()) as log:
+                        kernel = fn.warmup(*args, grid=(1,), **kwargs)
+                    if (arch, kernel.hash) in seen:  # the same specialization launched again: the same binary
+                        continue
+                    seen.add((arch, kernel.hash))
+                    rows.append(dict(row, hash=kernel.hash, **_ptxas_figures(log.getvalue()),
+                                     shared=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
+                                     num_stages=kernel.metadata.num_stages, dot="tt.dot" in kernel.asm["ttir"],
+                                     wgmma=kernel.asm["sass"].count("HGMMA")))
+                except Exception as e:  # a kernel that does not compile is a finding, reported in its row
+                    rows.append(dict(row, error=f"{type(e).__name__}: {e}".strip()))
+    return rows
+
+
+def run_isolated(function: str, interpret: bool, timeout: Optional[float] = None, **kwargs):
+    """bench.<function>(**kwargs) in a fresh Python whose Triton is interpreted or not (the choice is made when
+    triton is first imported, so it takes a process of its own); arguments and result travel as JSON."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    code = ("import contextlib, json, sys, bench\n"
+            "request = json.load(sys.stdin)\n"
+            "with contextlib.redirect_stdout(sys.stderr):  # only the result goes to stdout\n"
+            "    result = getattr(bench, request['function'])(**request['kwargs'])\n"
+            "json.dump(result, sys.stdout)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          input=json.dumps({"function": function, "kwargs": kwargs}), timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"bench.{function} failed in its subprocess:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
+
+
+def compile_table(rows: list) -> list:
+    """compile_launches' rows as table rows, sorted by launch order then architecture. Each row also gets a
+    "label" for the summary: the kernel's name, plus the constexprs that tell its launches apart if it has several."""
+    show = lambda v: v["tl"] if isinstance(v, dict) else v  # noqa: E731  (a tl dtype by its name)
+    rows.sort(key=lambda r: (r["launch"], r["arch"]))
+    table = []
+    for r in rows:
+        others = [o["constexprs"] for o in rows if o["kernel"] == r["kernel"]]
+        r["label"] = " ".join([r["kernel"]] + [f"{k}={show(v)}" for k, v in r["constexprs"].items()
+                                               if any(o.get(k) != v for o in others)])
+        constexprs = " ".join(f"{k}={show(v)}" for k, v in r["constexprs"].items())
+        if "error" in r:
+            table.append([r["kernel"], constexprs, f"sm_{r['arch']}", "[red]failed[/red]", r["error"].splitlines()[0],
+                          "", "", ""])
+            continue
+        spills = f"{r['spill_stores']} / {r['spill_loads']}"
+        wgmma = "-" if r["arch"] != 90 or not r["dot"] else f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "[red]no[/red]"
+        table.append([r["kernel"], constexprs, f"sm_{r['arch']}", f"{r['num_warps']} / {r['num_stages']}",
+                      r["registers"], spills if spills == "0 / 0" else f"[red]{spills}[/red]",
+                      f"{r['shared'] / 1024:.1f}", wgmma])
+    return table
+
+
+@command("compile")
+def compile_(
+    arch: List[Arch] = typer.Option(["sm_80", "sm_90"], help="GPU architecture to compile for; repeat for several."),
+    batch_size: int = typer.Option(1, min=1, help="B of the layer run that captures the launches."),
+    seq_len: int = typer.Option(128, min=1, help="L of that run (any multiple of 1024 gives exactly the binaries of "
+                                "L 2048, at eight times the capture time or more)."),
+    heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32; P, N and C are always 440m's)."),
+    dtype: DType = typer.Option("bf16", help="Autocast dtype of that run, as train.py --dtype (fp32: none)."),
+):
+    """Every Triton kernel a Mamba-3 layer launches, compiled for sm_80 / sm_90 on this machine: no GPU needed.
+
+    One mixer layer with the 440m layer's widths (P 64, N 128, chunk 64) runs forward and backward through
+    Triton's interpreter on CPU tensors, which records every kernel launch; each is then compiled with Triton's
+    own compiler for each --arch exactly as launched. Reports registers, spill bytes, shared memory and, on
+    sm_90, whether the code uses wgmma. Targets: [bold]no spills on any architecture, wgmma on sm_90[/bold]."""
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        fail(f"this Triton build ({triton.__version__}) has no NVIDIA backend to compile with")
+    t0 = time.perf_counter()
+    launches = run_isolated("capture_launches", True, batch_size=batch_size, seq_len=seq_len, heads=heads,
+                            dtype=dtype)
+    t1 = time.perf_counter()
+    rows = run_isolated("compile_launches", False, launches=launches, archs=[ARCHS[a.value] for a in arch])
+    t2 = time.perf_counter()
+    cfg = layer_config(heads)
+    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}, {dtype}; "
+                f"launches captured at B{batch_size} L{seq_len} H{heads}), compiled offline",
+                ["kernel", "constexprs", "arch", "warps / stages", "registers", "spill st / ld bytes", "shared KiB",
+                 "wgmma"], compile_table(rows))
+    failed = [r for r in rows if "error" in r]
+    spilled = [f"{r['label']} on sm_{r['arch']}" for r in rows if r.get("spill_stores") or r.get("spill_loads")]
+    dots90 = [r for r in rows if r["arch"] == 90 and r.get("dot")]
+    no_wgmma = [r["label"] for r in dots90 if not r["wgmma"]]
+    console.print(f"{len(launches)} distinct launches captured in {t1 - t0:.0f} s, compiled in {t2 - t1:.0f} s")
+    console.print("target, no spills on any architecture: " + (f"NOT met ({', '.join(spilled)})" if spilled else "met"))
+    if dots90:
+        used = len(dots90) - len(no_wgmma)
+        console.print("target, wgmma on sm_90: " + (f"NOT met, no HGMMA in {', '.join(no_wgmma)} ({used} of "
+                                                     f"{len(dots90)} kernels with a tl.dot use it)" if no_wgmma else "met"))
+    console.print("registers and spill bytes: ptxas -v as Triton ran it for each cubin; shared memory: the compiled "
+                  "kernel's metadata; wgmma: HGMMA instructions in the cubin's SASS (cuobjdump)")
+    console.print(f"machine: {machine()}, triton {triton.__version__}, no GPU used")
+    if failed:
+        raise typer.Exit(1)
+
+
+# -----------------------------------------------------------------------------
+# bench.py gpu
+
+# Max relative error (max |a - ref| / max |ref| over a tensor) a bf16 run may show, for the layer's output and
+# for every gradient; bf16 keeps 8 bits of mantissa (a relative 4e-3 per rounding) and a layer rounds many times.
+GPU_TOLERANCE = {"y": 3e-2, "gradients": 5e-2}
+
+
+def rel_err(a, ref) -> float:
+    err, scale = (a.double() - ref.double()).abs().max().item(), ref.double().abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
+    """The compulsory HBM traffic of the layer's region from the in_proj output to the gated output that goes
+    into out_proj (the scan and everything around it), counted from the shapes: forward reads each input once
+    (z, x, B, C, dd_dt, dd_A, trap, angle: the in_proj row) and writes the output once; backward reads the
+    saved input and the output's gradient once and writes the input's gradient once. Activations are act_bytes
+    per element; the region's parameters (dt_bias, the B/C norm weights and biases, D) are fp32, read once per
+    pass, their gradients written once. in_proj and out_proj are not in it: their traffic is the matmuls'."""
+    T = batch_size * seq_len
+    H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
+    row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z | x | B | C | dd_dt | dd_A | trap | angle
+    inputs, output = T * row * act_bytes, T * cfg.d_inner * act_bytes
+    params = 4 * (H + 2 * N + 2 * H * N + H)  # dt_bias, B/C norm weights, B/C biases, D
+    return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
+
+
+def layer_outputs(mixer, u, dy, impl: str, dtype: str) -> dict:
+    """The layer's output y and the gradients of its input u and of every parameter after one forward and
+    backward on the given scan path, under autocast to dtype (fp32: none), all as fp32 tensors by name."""
+    mixer.zero_grad(set_to_none=True)
+    u = u.detach().requires_grad_()
+    with scan_impl(impl):
+        with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
+            y = mixer(u)
+        y.backward(dy)
+    return {"y": y.detach().float(), "u": u.grad.float()} | {n: p.grad.float() for n, p in mixer.named_parameters()}
+
+
+def check_layer(mixer, u, dy) -> list:
+    """Triton vs torch path in bf16, each against a fp32 torch reference: rows of (tensor, shape, torch bf16 vs
+    fp32, triton vs fp32, triton vs torch bf16, tolerance, passed)."""
+    ref = layer_outputs(mixer, u, dy, "torch", "fp32")
+    torch_bf16 = layer_outputs(mixer, u, dy, "torch", "bf16")
+    triton_bf16 = layer_outputs(mixer, u, dy, "triton", "bf16")
+    rows = []
+    for name, r in ref.items():
+        a, b = torch_bf16[name], triton_bf16[name]
+        tol = GPU_TOLERANCE["y" if name == "y" else "gradients"]
+        errors = rel_err(a, r), rel_err(b, r), rel_err(b, a)
+        passed = bool(torch.isfinite(b).all()) and errors[1] <= tol and errors[2] <= tol
+        rows.append((name, tuple(r.shape), *errors, tol, passed))
+    return rows
+
+
+def time_layer(mixer, u, dy, reps: int) -> dict:
+    """Median seconds of one forward + backward of the layer under bf16 autocast on each scan path, and of its
+    two projections alone (in_proj and out_proj on inputs of the same shapes) to subtract."""
+    autocast = torch.autocast(u.device.type, dtype=torch.bfloat16)
+    u = u.detach().requires_grad_()
+    g = torch.randn(*u.shape[:2], mixer.cfg.d_inner, device=u.device, requires_grad=True)  # an out_proj input
+    da = torch.ones(*u.shape[:2], mixer.in_proj.out_features, device=u.device, dtype=torch.bfloat16)
+    dout = torch.ones(*u.shape, device=u.device, dtype=torch.bfloat16)
+
+    def layer(impl):
+        def run():
+            mixer.zero_grad(set_to_none=True)
+            u.grad = None
+            with scan_impl(impl):
+                with autocast:
+                    y = mixer(u)
+                y.backward(dy)
+        return run
+
+    def projections():
+        mixer.zero_grad(set_to_none=True)
+        u.grad = g.grad = None
+        with autocast:
+            a, out = mixer.in_proj(u), mixer.out_proj(g)
+        torch.autograd.backward([a, out], [da, dout])
+
+    return time_interleaved({"torch": layer("torch"), "triton": layer("triton"), "projections": projections}, reps,
+                            warmup=2)
+
+
+def train_throughput(compile_: bool, steps: int, total_batch_size: int, timeout: float) -> dict:
+    """`python train.py --data synthetic --model 440m` for a few steps in a subprocess, exactly as a user runs
+    it; returns its last metrics.jsonl training record (tok_per_s, mfu, ms_per_step over the last log window,
+    so after compilation and warm-up)."""
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
+        cmd = [sys.executable, "train.py", "--data", "synthetic", "--model", "440m", "--max-steps", str(steps),
+               "--total-batch-size", str(total_batch_size), "--log-every", str(max(1, steps // 3)), "--out-dir", out,
+               "--resume", "never", "--keep-last", "1", "--compile" if compile_ else "--no-compile"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run for a benchmark
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd[1:])} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("kind") == "train"][-1]
+
+
+@command()
+def gpu(
+    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (the 440m recipe's micro batch)."),
+    seq_len: int = typer.Option(2048, min=1, help="L of the layer checked and timed."),
+    reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
+    train_steps: int = typer.Option(30, min=0, help="Training steps per run of train.py; 0 skips the training runs."),
+    total_batch_size: int = typer.Option(16384, min=1, help="Tokens per optimizer step of those runs (default: one "
+                                         "micro batch, 8 x 2048, so that 30 steps fit the time; the preset's 524,288 "
+                                         "would take 32 micro-steps a step)."),
+):
+    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer, then train.py's tokens/s and MFU.
+
+    Sized to finish within ten minutes. (1) One mixer layer of the 440m model (H 32, P 64, N 128, chunk 64) in bf16
+    autocast on the Triton and on the torch path: the output and every gradient (input and parameters) against a
+    fp32 torch reference and against each other, with tolerances. (2) Forward + backward time of that layer on
+    both paths, and of the scan region alone (the layer minus its two projections) as a fraction of the HBM
+    roofline of its compulsory bytes, counted from the shapes. (3) train.py on synthetic data with the 440m
+    preset, torch.compile on and off: tokens/s and MFU."""
+    if not torch.cuda.is_available():
+        fail("bench.py gpu needs a CUDA GPU and torch sees none here; without one, bench.py compile shows what a "
+             "GPU's compiler makes of the kernels")
+    import triton
+
+    torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
+    torch.manual_seed(0)
+    cfg = layer_config(32)
+    B, L = batch_size, seq_len
+    mixer = Mamba3Mixer(cfg).cuda()
+    u = torch.randn(B, L, cfg.d_model, device="cuda")
+    dy = torch.randn(B, L, cfg.d_model, device="cuda")
+    shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+
+    rows = check_layer(mixer, u, dy)
+    print_table(f"one 440m mixer layer, {shape}, bf16 autocast: max |a - ref| / max |ref| per tensor",
+                ["tensor", "shape", "torch bf16 vs fp32", "triton bf16 vs fp32", "triton vs torch bf16", "tolerance",
+                 ""], [[name, "x".join(map(str, s)), f"{e0:.1e}", f"{e1:.1e}", f"{e2:.1e}", f"{tol:.0e}",
+                        "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+
+    t = time_layer(mixer, u, dy, reps)
+    moved = sum(region_bytes(cfg, B, L).values())
+    bw = hbm_bandwidth()
+    table = []
+    for path in ("torch", "triton"):
+        region = t[path] - t["projections"]
+        roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
+        table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}", f"{t['torch'] / t[path]:.2f}x", roofline])
+    print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
+                ["scan path", "layer ms", "region ms (layer - projections)", "layer speed-up vs torch",
+                 "region of HBM roofline"], table)
+    console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory traffic {moved / 1e6:,.0f} MB "
+                  f"(counted from the shapes, forward + backward)" + (f" at {bw / 1e12:.2f} TB/s = "
+                  f"{moved / bw * 1e3:.3f} ms" if bw else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}"))
+    del mixer, u, dy
+    torch.cuda.empty_cache()
+
+    if train_steps:
+        table, errors = [], []
+        for compile_ in (True, False):
+            try:
+                r = train_throughput(compile_, train_steps, total_batch_size, timeout=240)
+                mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+                table.append(["on" if compile_ else "off", f"{r['tok_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", mfu])
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # a failed run is a finding: shown, then the rest
+                table.append(["on" if compile_ else "off", "[red]failed[/red]", "", ""])
+                errors.append(str(e))
+        print_table(f"python train.py --data synthetic --model 440m --max-steps {train_steps} --total-batch-size "
+                    f"{total_batch_size}: the last log window", ["torch.compile", "tokens/s", "ms/step", "MFU"], table)
+        for e in errors:
+            console.print(e, markup=False, highlight=False)
+    console.print(f"machine: {machine()}, triton {triton.__version__}")
+    if not all(ok for *_, ok in rows):
+        raise typer.Exit(1)
+
+
+@command("all")
 def all_():
-    """Every table above with its defaults, one after the other."""
+    """kernels, data, ckpt and train with their defaults, one after the other (compile and gpu run on their own)."""
     commands = typer.main.get_command(app).commands
     for name in ("kernels", "data", "ckpt", "train"):
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
