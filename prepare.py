@@ -469,27 +469,32 @@ def _split_summary(shards):
 
 
 def _recover_swap(out: Path, log):
-    """A run killed between the two renames of its swap leaves the previous output in .OUT.old-PID and no OUT:
-    put it back. With OUT present the swap had finished; the old copy is only reported."""
+    """A run killed during its swap leaves the previous output in .OUT.old-PID: with no OUT (killed between the
+    two renames) it is put back; with the new OUT in place, the swap is finished as it would have been."""
     for old in sorted(out.parent.glob(f".{out.name}.old-*")):
-        pid = int(old.name.rsplit("-", 1)[1])
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 0)
+            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
             continue  # that run is still going
-        if not out.exists():
+        if out.exists():
+            _retire(old, out, log)
+        else:
             os.rename(old, out)
             log(f"note: restored {out} from {old}, left by a prepare.py run killed during its final swap")
-        else:
-            log(f"note: {old} is the output an interrupted prepare.py run replaced by {out}; delete it to free space")
 
 
-def _own_files(out: Path, overwrite: bool):
-    """The entries of a previous output that prepare.py did not write (none when --overwrite asks to replace)."""
-    if overwrite:
-        return []
-    m = read_manifest(out)
-    ours = {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values() for s in split["shards"]}
-    return [p for p in sorted(out.iterdir()) if p.name not in ours]
+def _retire(old: Path, out: Path, log):
+    """Delete the replaced output `old`, but first move the files a user added to it (not the manifest, its
+    shards or tokenizer.json) into the new output `out`: nothing of theirs is ever deleted."""
+    try:
+        m = read_manifest(old)
+        ours = {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values() for s in split["shards"]}
+    except DataError:  # not a prepare.py output: it was replaced with --overwrite, which asked for exactly that
+        ours = None
+    for p in sorted(old.iterdir()) if ours is not None else []:
+        if p.name not in ours and not (out / p.name).exists():
+            os.rename(p, out / p.name)
+            log(f"note: kept {p.name}, which is not prepare.py's, in {out}")
+    shutil.rmtree(old)
 
 
 def _check_out(out: Path, files, overwrite: bool) -> bool:
@@ -566,9 +571,6 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
         _write_atomic(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         _fsync_dir(staging)
         if replacing:  # swap: the previous output is removed only once the new one is in place
-            for p in _own_files(out, overwrite):  # a user's files inside an old output stay where they are
-                os.rename(p, staging / p.name)
-                log(f"note: kept {p.name}, which is not prepare.py's, in {out}")
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
             try:
@@ -577,7 +579,7 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
                 os.rename(old, out)
                 raise
             _fsync_dir(out.parent)
-            shutil.rmtree(old)
+            _retire(old, out, log)
         else:
             if out.exists():
                 out.rmdir()  # an empty directory

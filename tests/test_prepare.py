@@ -443,6 +443,13 @@ def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tm
     assert any("kept NOTES.md" in n for n in notes)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    # killed after the second rename: the new output is in place, the old one (with the notes) beside it
+    shutil.copytree(out, tmp_path / f".out.old-{dead.pid}")
+    (out / "NOTES.md").unlink()
+    notes = []
+    run([tmp_path / "corpus"], out, log=notes.append)
+    assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
 
 
 def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):
