@@ -208,8 +208,8 @@ def usage(out, marker):
     if tokenizer == "TOKENIZER":
         notes.append("the run recorded no tokenizer: replace TOKENIZER by the Hugging Face tokenizer that made its ids")
     if cfg.get("reset_token") is not None:
-        notes.append(f"this model resets its state after token {cfg['reset_token']} (reset_token) and the official "
-                     f"model does not: give it one document per sequence")
+        notes.append(f"this model resets its state after token {cfg['reset_token']} (reset_token), but the official "
+                     f"model does not reset at EOS: give it one document per sequence")
     return load, command, notes
 
 

@@ -40,7 +40,8 @@ from typer import Option
 
 import ckpt
 import data
-from model import PRESETS, Mamba3LM
+import official
+from model import PRESETS, Mamba3LM, ModelConfig
 
 # -----------------------------------------------------------------------------
 # recipes: every preset's defaults, in one place
@@ -80,7 +81,10 @@ class TrainConfig:
     data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a nanoGPT .bin file or "
                                       "directory, a shard_*.bin directory or a Megatron prefix; repeat as DIR:WEIGHT "
                                       "to blend; 'synthetic' for random tokens (speed tests only).")]
-    model: Annotated[Literal[tuple(PRESETS)], Option(help="Model preset; sets the (preset) defaults too.")] = "small"
+    model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset, which sets the (preset) defaults "
+                                                                   "too [default: small, or --init-from's]")] = None
+    init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule and data): a "
+                                               "run directory or an official mamba_ssm directory.")] = None
     seq_len: Annotated[Optional[int], Option(min=1, help=preset("seq_len", "Context length in tokens."))] = None
     batch_size: Annotated[Optional[int], Option(min=1, help=preset("batch_size", "Micro batch: sequences per device "
                                                                     "per micro-step."))] = None
@@ -124,12 +128,22 @@ class TrainError(Exception):
     """An expected problem with the run's settings, data or directory; the CLI prints it as one paragraph."""
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
-    """The (preset) flags from the recipe, auto settled, and what cannot work refused before anything runs."""
-    recipe = {k: getattr(cfg, k) if getattr(cfg, k) is not None else v for k, v in RECIPES[cfg.model].items()}
+def resolve(cfg: TrainConfig, init=None) -> TrainConfig:
+    """The (preset) flags from the recipe, auto settled, and what cannot work refused before anything runs.
+    With --init-from (init: its ModelConfig fields), the model is init's and the recipe its preset's."""
+    model = cfg.model or "small"
+    if init is not None:
+        shape = lambda c: [getattr(c, k) for k in ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups",
+                                                   "mlp_hidden", "rope_fraction")]  # noqa: E731
+        same = [name for name, c in PRESETS.items() if shape(c) == shape(ModelConfig(**init))]
+        if cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"]):
+            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); --model and "
+                             f"--vocab-size may not change it: leave them out")
+        model = cfg.model or (same + ["small"])[0]
+    recipe = {k: getattr(cfg, k) if getattr(cfg, k) is not None else v for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         with torch.device("meta"):
-            recipe["max_steps"] = max(1, 20 * Mamba3LM(PRESETS[cfg.model]).num_params() // recipe["total_batch_size"])
+            recipe["max_steps"] = max(1, 20 * Mamba3LM(PRESETS[model]).num_params() // recipe["total_batch_size"])
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = ("bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32") if cfg.dtype == "auto" else cfg.dtype
     if device == "cuda" and not torch.cuda.is_available():
@@ -145,7 +159,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise TrainError(f"--resume {cfg.resume!r}: expected auto, never or a step number")
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(2000, max(1, recipe["max_steps"] // 10))
-    return dataclasses.replace(cfg, **recipe, device=device, dtype=dtype, warmup_steps=warmup,
+    return dataclasses.replace(cfg, **recipe, model=model, device=device, dtype=dtype, warmup_steps=warmup,
                                compile=device == "cuda" if cfg.compile is None else cfg.compile,
                                min_lr=min(cfg.min_lr, recipe["lr"]))
 
@@ -305,6 +319,8 @@ def header(log, cfg, model, batches, val):
         lines.append(f"data       {names}: {tokens:,} tokens; {planned:,} planned = {planned / tokens:.2f} epochs")
         lines.append("eval       " + (f"every {cfg.eval_every} steps on {val.path} (val)" if val else
                                       "[bold yellow]off: no val split (or one shorter than seq_len + 1)[/bold yellow]"))
+    if cfg.init_from:
+        lines.append(f"init       weights from {cfg.init_from} (a resumed checkpoint takes precedence)")
     lines.append(f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "") +
                  f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})")
     lines.append(f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
@@ -408,23 +424,34 @@ def save_checkpoint(cfg, step, model, optimizer, state):
 # the run
 
 
-def train(cfg: TrainConfig):
+def train(cfg: TrainConfig, init=None):
+    """Run cfg; init is --init-from's (ModelConfig fields, state dict, tokenizer spec), or None."""
     rank, world, local = setup_distributed(cfg.device)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            run(cfg, rank, world, local, tmp)
+            run(cfg, init, (rank, world, local), tmp)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(cfg, rank, world, local, tmp):
+def run(cfg, init, ranks, tmp):
     # --- setup: everything that can be refused is refused before the run directory is touched
+    (rank, world, local), (init_config, init_state, init_tokenizer) = ranks, init or (None, None, None)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     device = f"cuda:{local}" if cfg.device == "cuda" else "cpu"
+    if init_config:  # the data must fit the weights' vocabulary, and the same tokenizer is the only sensible one
+        cfg = dataclasses.replace(cfg, vocab_size=init_config["vocab_size"])
     batches, val, vocab, tokenizer, data_path = open_data(cfg, rank, world, tmp)
-    model = Mamba3LM(dataclasses.replace(PRESETS[cfg.model], vocab_size=vocab)).to(device)
+    if init_tokenizer and tokenizer and init_tokenizer.get("name") != tokenizer.get("name"):
+        raise TrainError(f"--init-from {cfg.init_from} was trained with the {init_tokenizer['name']} tokenizer, the "
+                         f"data with {tokenizer['name']}: the token ids would mean other things")
+    model_config = ModelConfig(**init_config) if init_config else dataclasses.replace(PRESETS[cfg.model], vocab_size=vocab)
+    model = Mamba3LM(model_config)
+    if init_state is not None:
+        model.load_state_dict(init_state)  # weights only: the optimizer, schedule and data start afresh
+    model = model.to(device)
     model.grad_checkpointing = cfg.grad_checkpointing
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                   fused=cfg.device == "cuda")
@@ -590,7 +617,9 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 def main(**flags):
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
-        train(resolve(TrainConfig(**flags)))
+        cfg = TrainConfig(**flags)
+        init = official.read_pretrained(cfg.init_from) if cfg.init_from else None
+        train(resolve(cfg, init and init[0]), init)
     except (TrainError, data.DataError, ckpt.CheckpointError) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)

@@ -307,3 +307,39 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     assert result.output == "def " + tokenizer.decode(ids) + "\n"
     result = runner.invoke(sample.app, ["--out-dir", str(tmp_path / "none")])
     assert result.exit_code == 2 and "no such directory" in result.output
+
+
+def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(corpus, tmp_path, monkeypatch):
+    import official
+
+    src = tmp_path / "src"
+    run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", src)
+    official.export(src, tmp_path / "export")
+    source = weights(src, 6)
+    real, first = train.micro_step, {}
+
+    def record_start(model, x, y, autocast):
+        first.setdefault("params", {k: v.detach().clone() for k, v in model.state_dict().items()})
+        first.setdefault("x", x.clone())
+        return real(model, x, y, autocast)
+
+    monkeypatch.setattr(train, "micro_step", record_start)
+    for path in (src, tmp_path / "export"):
+        first.clear()
+        out = tmp_path / f"from-{path.name}"
+        text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--init-from", path)
+        assert f"weights from {path}" in text and "tiny" in text  # the recipe of the preset of that shape
+        for k, v in first["params"].items():  # exactly the source's weights (an export drops the padding rows)
+            want = source[k] if "embed" not in k and "lm_head" not in k else source[k][:257]
+            assert torch.equal(v if v.shape == want.shape else v[:257], want), k
+        meta = json.loads((out / "meta_step_2.json").read_text())
+        assert meta["tokens_seen"] == 2 * 256 and meta["data"]["consumed"] == 2 * 8  # fresh data and schedule
+        fresh = first["x"]
+    first.clear()
+    run("--data", corpus, *BASE, "--max-steps", 1, "--out-dir", tmp_path / "scratch")
+    assert torch.equal(first["x"], fresh)  # the same data order as a run from scratch
+    for extra, message in ((["--model", "small"], "may not change it"), (["--vocab-size", "300"], "may not change it")):
+        text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from", src, *extra, expect=2)
+        assert message in text and not (tmp_path / "x").exists()
+    text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from", tmp_path / "nowhere", expect=2)
+    assert "expected a train.py run directory" in text
