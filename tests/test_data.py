@@ -13,7 +13,7 @@ L = 7  # a small seq_len makes many windows out of small files
 
 
 # -----------------------------------------------------------------------------
-# writing every source kind by hand, from the formats' specs (DESIGN §2.1, §2.2)
+# writing every source kind by hand, from the formats' specs (data.py's docstrings)
 
 
 def write_manifest_dir(d, splits_tokens, dtype="uint16", vocab_size=60000, eos_id=0, shard_sizes=(100, 37, 250)):
@@ -40,7 +40,7 @@ MEGATRON_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5
 
 
 def write_megatron(prefix, sequences, dtype, docs=None):
-    """PREFIX.bin + PREFIX.idx per DESIGN §2.2: header, int32 lengths, int64 byte pointers, int64 doc starts."""
+    """PREFIX.bin + PREFIX.idx as Megatron-LM writes them: header, int32 lengths, int64 byte pointers, int64 doc starts."""
     dtype = np.dtype(dtype)
     lengths = np.array([len(s) for s in sequences], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * dtype.itemsize

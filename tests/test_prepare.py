@@ -89,7 +89,7 @@ def read_split(out, manifest, split):
 
 
 def check_output(out, manifest, expected_docs, fraction, shard_tokens):
-    """Every promise of DESIGN §2.1 about `out`, against the expected per-document token lists (EOS included)."""
+    """Every promise of prepare.py about `out`, against the expected per-document token lists (EOS included)."""
     eos = manifest["eos_id"]
     for split in ("train", "val"):
         want = [d for n, d in enumerate(expected_docs) if is_val(n, fraction) == (split == "val")]
