@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 
 # a tiny model, short context, 2 micro-steps of 4 sequences per optimizer step
+# (float32, so that the numerics do not depend on whether this CPU has bf16 arithmetic, where auto picks bf16)
 BASE = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "256", "--log-every", "1",
-        "--eval-every", "1000", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "2"]
+        "--eval-every", "1000", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "2", "--dtype", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +244,8 @@ def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
     out = tmp_path / "run"
     text = run("--data", corpus, *BASE, "--dry-run", "--out-dir", out)
     assert "step 2:" in text and "val loss" in text and not out.exists()
+    text = run("--data", corpus, *BASE, "--dtype", "bf16", "--dry-run", "--out-dir", out)  # CPU bf16 autocast
+    assert "dtype bf16" in text and "step 2:" in text and not out.exists()
     text = run("--data", "synthetic", *BASE, "--vocab-size", 300, "--max-steps", 2, "--out-dir", out)
     assert "SYNTHETIC" in text
 
