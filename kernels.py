@@ -1055,6 +1055,7 @@ if triton is not None:
         ctx.sizes = inputs[8:]
         _, states, phase = output
         ctx.mark_non_differentiable(states, phase)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: nothing reads them
         ctx.save_for_backward(*tensors, reset, states, phase)
 
     def _mixer_grad(ctx, dout, _dstates, _dphase):
