@@ -840,17 +840,21 @@ def _pow2(d, least=16):
 
 
 def _tiles(C, P, N, dot_dtype, acc_dtype):
-    """The compile-time constants of a launch. One program holds a (P, N) float32 state (32 KB at 64 x 128) and
-    several (C, C) and (C, N) blocks: 8 warps (256 threads) spread that over enough registers not to spill at
-    P = 64, N = 128, C = 64; smaller tiles need fewer."""
+    """The compile-time constants of a launch. One program holds a (P, N) float32 state (32 KB at 64 x 128, 32
+    registers a thread at 8 warps) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers are what
+    limits these kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the compiler from
+    holding the next chunks' loads in flight (prefetching, with one program per SM either way, cost more
+    spilled registers than it hid latency: see the README's compile figures). Smaller tiles need fewer warps."""
     PP, NP = _pow2(P), _pow2(N)
     return dict(C=C, PP=PP, NP=NP, DT=_TL_DTYPE[dot_dtype], ACC=_TL_DTYPE[acc_dtype],
-                num_warps=8 if C * max(PP, NP) >= 64 * 64 else 4)
+                num_warps=8 if C * max(PP, NP) >= 64 * 64 else 4, num_stages=1)
 
 
 def _state_tiles(BH, nc, tiles, dtype, device):
     """The saved per-chunk states, (B*H, nc, PP, NP) padded to whole tiles, and a descriptor that moves one
-    (PP, NP) tile per load or store (a TMA copy on Hopper: no per-element addresses held in registers)."""
+    (PP, NP) tile per load or store. The state lives in the matmul's register layout, and a per-element pointer
+    store from there holds ~100 more registers a thread than the descriptor's copy through shared memory (a TMA
+    copy on Hopper)."""
     states = torch.empty(BH, nc, tiles["PP"], tiles["NP"], dtype=dtype, device=device)
     return states, _descriptor(states, tiles)
 

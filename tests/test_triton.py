@@ -341,7 +341,7 @@ import kernels as K
 H, G, P, N, S, C, L = 32, 1, 64, 128, 32, 64, 2048
 W = 2 * H * P + 2 * G * N + 3 * H + S
 tiles = K._tiles(C, P, N, torch.bfloat16, torch.float32)
-warps = tiles.pop("num_warps")
+options = {"num_warps": tiles.pop("num_warps"), "num_stages": tiles.pop("num_stages")}
 ints = dict(L=L, nc=L // C, s_b=L * W, s_l=W, so_b=L * H * P, so_l=H * P, sd_b=L * H * P, sd_l=H * P, sg_b=L * W,
             sg_l=W, **{f"s{t}_{d}": s for t, n in (("x", P), ("q", N), ("k", N), ("y", P), ("dy", P))
                        for d, s in (("b", L * H * n), ("l", H * n), ("h", n))})
@@ -370,7 +370,7 @@ for arch in (80, 90):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 64 if arch >= 90 else 32),
-                                options={"num_warps": 4 if fn is K._sum_heads else warps})
+                                options={"num_warps": 4} if fn is K._sum_heads else options)
         wgmma = "wgmma" in kernel.asm["ptx"]
         print("compiled", arch, fn.__name__, "wgmma" if wgmma else "-")
 """
