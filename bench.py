@@ -678,7 +678,8 @@ def traffic(
     from model import Mamba3Mixer, ModelConfig
 
     if not K.triton_available():
-        raise typer.BadParameter("bench.py traffic counts through Triton's interpreter, and Triton does not import here")
+        raise typer.BadParameter("bench.py traffic counts through Triton's interpreter, and Triton does not "
+                                 "import here")
     cfg = ModelConfig(d_model=heads * headdim // 2, headdim=headdim, d_state=d_state, ngroups=ngroups,
                       chunk_size=chunk_size, n_layer=1, vocab_size=256)
     torch.manual_seed(0)

@@ -335,14 +335,14 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # One program per (b, h) walks the chunks in order and keeps the (P x N) state on chip in float32, so states
 # cross chunks in registers, not through HBM; it saves the state entering each chunk (in the dot operand dtype)
 # for the backward, which walks the chunks in reverse with the state's gradient G on chip. Token tensors are
-# read and written in place through their strides, the tokens past L in the last chunk masked. N is handled as
-# two halves, the even and the odd state dims: a rotation turns the pair (2i, 2i+1), so with q = (qe, qo) and
-# k = (ke, ko) split that way the rotation is elementwise and q k^T = qe ke^T + qo ko^T. Two dtypes, both
-# tl.constexpr: DT, the one operand dtype of every tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the
-# dtype of cumsums, states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests).
+# read and written in place through their strides, the tokens past L in the last chunk masked; tiles are padded
+# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot). Two dtypes, both tl.constexpr: DT, the one operand
+# dtype of every tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the dtype of cumsums, states, scalars
+# and accumulators (float32; float64 for float64 inputs, as the oracle tests). The model's sizes (H, G, P, N, S)
+# are tl.constexpr too: index arithmetic folds, and a kernel is compiled once per model shape.
 #
-# Two users share the per-chunk helpers: the scan alone (ssd(impl="triton"): _scan_fwd, _scan_bwd) and the
-# fused mixer region (mixer_triton: _mixer_fwd, then _mixer_bwd and _sum_heads).
+# Two users share the per-chunk helpers: the scan alone (ssd(impl="triton"): _scan_fwd, _scan_bwd, one launch
+# each) and the fused mixer region (mixer_triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads backward).
 
 try:
     import triton
@@ -386,8 +386,8 @@ if triton is not None:
 
     @triton.jit
     def _in_bounds(valid, cols, ncols: tl.constexpr, TILE: tl.constexpr):
-        # rows `valid` x columns < ncols of a (C, TILE) block. The column test is left out when the tile has no
-        # padding: as a loop-invariant tile the compiler would hoist it out of the chunk loop into registers.
+        # rows `valid` x columns < ncols of a (C, TILE) block; the column test is left out when the tile has no
+        # padding (ncols and TILE are compile-time constants: the model's sizes are usually powers of 2)
         mask = valid[:, None]
         if ncols != TILE:
             mask = mask & (cols < ncols)[None, :]
@@ -458,7 +458,8 @@ if triton is not None:
     @triton.jit
     def _scan_fwd(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, y_ptr, sy_b, sy_l, sy_h,
                   cs_ptr, w_ptr, g_ptr, reset_ptr, Sin0_ptr, states, S_ptr, L, nc,
-                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr,
+                  NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                   HAS_RESET: tl.constexpr):
         """The scan alone, one program per (b, h); grid (B*H,). Reads x, q, k (B, L, H, .), the per-chunk cs, w,
         gamma (B*H, nc, C) and the state entering chunk 0 (B*H, P, N); writes y, the state entering each chunk
@@ -493,7 +494,8 @@ if triton is not None:
     def _scan_bwd(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h,
                   dy_ptr, sdy_b, sdy_l, sdy_h, dx_ptr, dq_ptr, dk_ptr, cs_ptr, w_ptr, g_ptr, reset_ptr, states,
                   dS_ptr, dcs_ptr, dw_ptr, dg_ptr, dSin0_ptr, L, nc,
-                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr,
+                  NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                   HAS_RESET: tl.constexpr):
         """The scan's backward, one program per (b, h) walking the chunks in reverse with G, the gradient of the
         state leaving the chunk, on chip (it starts as the final state's gradient dS (B*H, P, N)). Reads what
@@ -648,7 +650,8 @@ if triton is not None:
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
                    out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor, eps,
-                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of in_proj's
         output zxbcdt (B, L, 2HP + 2GN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's B and C; the angles), the
@@ -693,7 +696,8 @@ if triton is not None:
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
                    dout_ptr, sd_b, sd_l, states, phase_ptr, dzx_ptr, sg_b, sg_l, part_ptr, dparam_ptr,
                    L, nc, A_floor, eps,
-                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region backward, one program per (b, h) walking the chunks in reverse with G (the gradient
         of the state leaving the chunk) and the phase carry's gradient on chip. Reads what _mixer_fwd read, the
@@ -807,7 +811,8 @@ if triton is not None:
 
     @triton.jit
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                   N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, ACC: tl.constexpr):
+                   N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
+                   ACC: tl.constexpr):
         """dB, dC and dangle, the columns of dzxbcdt that several heads share: the sums of the heads' shares in
         part (B, L, H, 2N + S) (a group's heads for its B and C, all heads for the angles), in a fixed order so
         the result is deterministic; grid (B, L / TB)."""
@@ -958,13 +963,15 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size):
     P, G, S, C = headdim, ngroups, n_angles, chunk_size
     _check_chunk_size(C, "mixer")
     if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != sum(split_sizes(H, P, G, N, S)):
-        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2GN + 3H + S) = (B, L, {sum(split_sizes(H, P, G, N, S))}) "
-                         f"with L >= 1 for H={H}, P={P}, G={G}, N={N}, S={S}; got {tuple(zxbcdt.shape)}")
+        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2GN + 3H + S) = (B, L, "
+                         f"{sum(split_sizes(H, P, G, N, S))}) with L >= 1 for H={H}, P={P}, G={G}, N={N}, S={S}; "
+                         f"got {tuple(zxbcdt.shape)}")
     if H % G or N % 2 or 2 * S > N:
         raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even and n_angles <= "
                          f"d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
     if zxbcdt.dtype not in _TL_DTYPE:
-        raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or float64, got {zxbcdt.dtype}")
+        raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or float64, "
+                         f"got {zxbcdt.dtype}")
     return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C
 
 
@@ -1007,8 +1014,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
                                HAS_RESET=reset is not None, **tiles)
         TB = 32
-        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S, TB=TB,
-                                             NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
+        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
+                                             TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
     dparam = dparam.view(Bsz, H, 4 * N + 2).sum(0)  # (H, 4N + 2)
     grads = (dparam[:, 4 * N], dparam[:, 2 * N:3 * N].sum(0), dparam[:, 3 * N:4 * N].sum(0), dparam[:, :N],
              dparam[:, N:2 * N], dparam[:, 4 * N + 1])

@@ -227,7 +227,8 @@ def test_generation_after_eos_equals_generation_from_scratch():
     g = torch.Generator().manual_seed(1)
     before, prompt = torch.randint(4, 100, (2, 9), generator=g), torch.randint(4, 100, (2, 4), generator=g)
     packed = torch.cat([before, torch.full((2, 1), EOS), prompt], dim=1)
-    assert torch.equal(model.generate(packed, 8, temperature=0)[:, -8:], model.generate(prompt, 8, temperature=0)[:, -8:])
+    after_eos = model.generate(packed, 8, temperature=0)[:, -8:]
+    assert torch.equal(after_eos, model.generate(prompt, 8, temperature=0)[:, -8:])
     # a prompt that ends with EOS leaves a cleared cache: the next token is scored as a document's first
     cache, fresh = model.init_cache(2), model.init_cache(2)
     model.prefill(torch.cat([before, torch.full((2, 1), EOS)], dim=1), cache)

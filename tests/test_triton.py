@@ -228,7 +228,8 @@ def test_mixer_lower_precisions_against_float64(dtype, tol_out, tol_grad):
     out = run_mixer(kernels.mixer_triton, zx, [p.float() for p in params], reset, sizes)
     assert out[0].dtype == out[1].dtype == dtype and all(g.dtype == torch.float32 for g in out[2:])
     for name, a, r in zip(MIXER_NAMES, out, ref):
-        assert torch.isfinite(a).all() and rel_err(a, r) <= (tol_out if name == "out" else tol_grad), (name, rel_err(a, r))
+        tol = tol_out if name == "out" else tol_grad
+        assert torch.isfinite(a).all() and rel_err(a, r) <= tol, (name, rel_err(a, r))
 
 
 def test_mixer_bad_input_is_a_clear_error():
