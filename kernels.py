@@ -456,6 +456,24 @@ if triton is not None:
         return dX, dQ, dK, dcs, dw, dg, a * G + _dot(tl.trans(dY * e[:, None]), Q, DT)
 
     @triton.jit
+    def _scan_chunk(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                    reset_ptr, b, h, bh, c, nc, L, i, p, n, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+                    PP: tl.constexpr, NP: tl.constexpr, HAS_RESET: tl.constexpr):
+        """What both scan kernels read of chunk c for (b, h): its tokens t, the row masks, q, k, x, and cs, w,
+        gamma at cw (their offsets in the (B*H, nc, C) arrays) with the decays built from them."""
+        t = c * C + i
+        valid = t < L
+        qk_mask = _in_bounds(valid, n, N, NP)
+        x_mask = _in_bounds(valid, p, P, PP)
+        Q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_l + h * sq_h + n[None, :], mask=qk_mask, other=0.0)
+        K = tl.load(k_ptr + b * sk_b + t[:, None] * sk_l + h * sk_h + n[None, :], mask=qk_mask, other=0.0)
+        X = tl.load(x_ptr + b * sx_b + t[:, None] * sx_l + h * sx_h + p[None, :], mask=x_mask, other=0.0)
+        cw = (bh * nc + c) * C + i
+        cs, w, g = tl.load(cs_ptr + cw), tl.load(w_ptr + cw), tl.load(g_ptr + cw)
+        _, decay, W, e, f, u, a = _decays(cs, w, g, _segments(reset_ptr, b, t, valid, L, HAS_RESET), i, C)
+        return t, qk_mask, x_mask, Q, K, X, cw, w, decay, W, e, f, u, a
+
+    @triton.jit
     def _scan_fwd(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, y_ptr, sy_b, sy_l, sy_h,
                   cs_ptr, w_ptr, g_ptr, reset_ptr, Sin0_ptr, states, S_ptr, L, nc,
                   H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr,
@@ -473,17 +491,9 @@ if triton is not None:
         pn_mask = (p < P)[:, None] & (n < N)[None, :]
         S = tl.load(Sin0_ptr + bh * P * N + pn, mask=pn_mask, other=0.0).to(ACC)
         for c in range(nc):
-            t = c * C + i
-            valid = t < L
-            qk_mask = _in_bounds(valid, n, N, NP)
-            x_mask = _in_bounds(valid, p, P, PP)
-            Q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_l + h * sq_h + n[None, :], mask=qk_mask, other=0.0)
-            K = tl.load(k_ptr + b * sk_b + t[:, None] * sk_l + h * sk_h + n[None, :], mask=qk_mask, other=0.0)
-            X = tl.load(x_ptr + b * sx_b + t[:, None] * sx_l + h * sx_h + p[None, :], mask=x_mask, other=0.0)
-            cw = (bh * nc + c) * C + i
-            cs, w, g = tl.load(cs_ptr + cw), tl.load(w_ptr + cw), tl.load(g_ptr + cw)
-            seg = _segments(reset_ptr, b, t, valid, L, HAS_RESET)
-            _, _, W, e, _, u, a = _decays(cs, w, g, seg, i, C)
+            t, _, x_mask, Q, K, X, _, _, _, W, e, _, u, a = _scan_chunk(
+                x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                reset_ptr, b, h, bh, c, nc, L, i, p, n, P, N, C, PP, NP, HAS_RESET)
             states.store([((bh * nc + c) * PP).to(tl.int32), 0], S.to(DT))
             Y, S = _chunk_forward(Q, K, X, S, W, e, u, a, DT)
             tl.store(y_ptr + b * sy_b + t[:, None] * sy_l + h * sy_h + p[None, :], Y.to(y_ptr.dtype.element_ty),
@@ -509,18 +519,10 @@ if triton is not None:
         G = tl.load(dS_ptr + bh * P * N + pn, mask=pn_mask, other=0.0).to(ACC)
         for r in range(nc):
             c = nc - 1 - r
-            t = c * C + i
-            valid = t < L
-            qk_mask = _in_bounds(valid, n, N, NP)
-            x_mask = _in_bounds(valid, p, P, PP)
-            Q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_l + h * sq_h + n[None, :], mask=qk_mask, other=0.0)
-            K = tl.load(k_ptr + b * sk_b + t[:, None] * sk_l + h * sk_h + n[None, :], mask=qk_mask, other=0.0)
-            X = tl.load(x_ptr + b * sx_b + t[:, None] * sx_l + h * sx_h + p[None, :], mask=x_mask, other=0.0)
+            t, qk_mask, x_mask, Q, K, X, cw, w, decay, W, e, f, u, a = _scan_chunk(
+                x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                reset_ptr, b, h, bh, c, nc, L, i, p, n, P, N, C, PP, NP, HAS_RESET)
             dY = tl.load(dy_ptr + b * sdy_b + t[:, None] * sdy_l + h * sdy_h + p[None, :], mask=x_mask, other=0.0)
-            cw = (bh * nc + c) * C + i
-            cs, w, g = tl.load(cs_ptr + cw), tl.load(w_ptr + cw), tl.load(g_ptr + cw)
-            seg = _segments(reset_ptr, b, t, valid, L, HAS_RESET)
-            _, decay, W, e, f, u, a = _decays(cs, w, g, seg, i, C)
             S = states.load([((bh * nc + c) * PP).to(tl.int32), 0])
             scores = _dot(Q, tl.trans(K), DT)
             QS = _dot(Q, tl.trans(S), DT)
