@@ -1039,6 +1039,199 @@ def gpu(
         raise typer.Exit(1)
 
 
+# -----------------------------------------------------------------------------
+# bench.py traffic
+
+
+class _Traffic:
+    """Bytes moved, by who moved them. Triton kernels count through the interpreter: every element a load or
+    store actually touches (masked-off lanes are not counted; a descriptor copies its whole in-bounds block).
+    Eager aten ops count the bytes of their tensor inputs and outputs (a view moves nothing, nor does a .to
+    that returns its input; an allocation writes nothing; copy_/fill_/zero_ only write their destination)."""
+
+    def __init__(self):
+        import collections
+
+        self.bytes, self.calls = collections.Counter(), collections.Counter()
+        self.kernel = None
+
+    def triton_bytes(self, n_elements, dtype):
+        if self.kernel is not None:
+            self.bytes["triton " + self.kernel] += int(n_elements) * dtype.primitive_bitwidth // 8
+
+
+def _hook_interpreter(counter):
+    """Patch Triton's interpreter so that kernel launches report to counter; returns a function that undoes it."""
+    import numpy as np
+    import triton.runtime.interpreter as I
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # (a descriptor's block load or store is a masked load or store of its in-bounds elements in the interpreter)
+    saved = {name: getattr(cls, name) for cls, name in ((I.InterpreterBuilder, "create_masked_load"),
+                                                         (I.InterpreterBuilder, "create_masked_store"),
+                                                         (I.InterpretedFunction, "run"))}
+
+    def touched(ptrs, mask):
+        return np.broadcast_to(mask.data, ptrs.data.shape).sum()
+
+    def load(self, ptrs, mask, *args, **kwargs):
+        counter.triton_bytes(touched(ptrs, mask), ptrs.get_element_ty())
+        return saved["create_masked_load"](self, ptrs, mask, *args, **kwargs)
+
+    def store(self, ptrs, value, mask, *args, **kwargs):
+        counter.triton_bytes(touched(ptrs, mask), ptrs.get_element_ty())
+        return saved["create_masked_store"](self, ptrs, value, mask, *args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        counter.kernel = self.fn.__name__
+        counter.calls["triton " + self.fn.__name__] += 1
+        try:
+            with _disable_current_modes():  # the interpreter's copies to and from the host are not traffic
+                return saved["run"](self, *args, **kwargs)
+        finally:
+            counter.kernel = None
+
+    I.InterpreterBuilder.create_masked_load, I.InterpreterBuilder.create_masked_store = load, store
+    I.InterpretedFunction.run = run
+
+    def undo():
+        for name, fn in saved.items():
+            setattr(I.InterpretedFunction if name == "run" else I.InterpreterBuilder, name, fn)
+
+    return undo
+
+
+def _eager_bytes_mode(counter):
+    """A TorchDispatchMode that adds every aten op's bytes to counter. The fused region's custom ops run their
+    Python implementation inside the mode, so the few eager ops around the launches count too."""
+    import kernels as K
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    writes_only = {"copy_", "fill_", "zero_"}
+    moves_nothing = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                     "lift_fresh"}
+    custom = {"mixer_fwd": K._mixer_forward, "mixer_bwd": K._mixer_backward}
+
+    def shares_storage(out, args):  # a view, or an op that may alias its input (.to) and did
+        storages = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+        return all(t.untyped_storage().data_ptr() in storages for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    def nbytes(t):  # a broadcast (stride 0) dimension is one element in memory
+        n = t.element_size()
+        for size, stride in zip(t.shape, t.stride()):
+            n *= size if stride else 1
+        return n
+
+    class EagerBytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__.split(".")[0]
+            if func.namespace == "mamba3":
+                with EagerBytes():
+                    return custom[name](*args, **kwargs)
+            out = func(*args, **kwargs)
+            if func.namespace != "aten" or name in moves_nothing or (func.is_view and shares_storage(out, args)):
+                return out
+            inputs = tree_leaves((args[1:], kwargs) if name in writes_only else (args, kwargs))
+            tensors = [t for t in tree_leaves(out) + inputs if isinstance(t, torch.Tensor)]
+            counter.bytes["eager " + name] += sum(nbytes(t) for t in tensors)
+            counter.calls["eager " + name] += 1
+            return out
+
+    return EagerBytes()
+
+
+def _count(fn):
+    """(bytes by kernel or op, calls by kernel or op) that fn() moves."""
+    counter = _Traffic()
+    undo = _hook_interpreter(counter)
+    try:
+        with _eager_bytes_mode(counter):
+            fn()
+    finally:
+        undo()
+    return counter.bytes, counter.calls
+
+
+@command()
+def traffic(
+    batch_size: int = typer.Option(1, min=1, help="B"),
+    seq_len: int = typer.Option(256, min=1, help="L"),
+    heads: int = typer.Option(4, min=1, help="H"),
+    headdim: int = typer.Option(64, min=1, help="P"),
+    d_state: int = typer.Option(128, min=2, help="N"),
+    ngroups: int = typer.Option(1, min=1, help="G"),
+    chunk_size: int = typer.Option(64, min=16, help="C"),
+    dtype: DType = typer.Option("bf16", help="in_proj's output dtype."),
+):
+    """Bytes one layer's mixer region (in_proj's output -> out_proj's input) moves, forward and backward, counted
+    without a GPU: Triton's interpreter counts the kernels' loads and stores, a dispatch mode every eager op's
+    inputs and outputs; in_proj and out_proj are left out. Next to the compulsory minimum: each input read once
+    (the backward reads them again: they are what it saves), each output written once, what the fused path saves
+    besides its inputs (the per-chunk states and phases) written and read once, the incoming gradient read once
+    and each gradient written once. Contrast: the eager glue around ssd(impl="triton")."""
+    import subprocess
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # the interpreter is chosen when triton is imported: count in a fresh process that has it on
+        args = [sys.executable, os.path.abspath(__file__), "traffic", "--batch-size", str(batch_size), "--seq-len", str(seq_len),
+                "--heads", str(heads), "--headdim", str(headdim), "--d-state", str(d_state), "--ngroups", str(ngroups),
+                "--chunk-size", str(chunk_size), "--dtype", dtype]
+        raise typer.Exit(subprocess.run(args, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode)
+    import dataclasses
+
+    import kernels as K
+    from model import Mamba3Mixer, ModelConfig
+
+    if not K.triton_available():
+        raise typer.BadParameter("bench.py traffic counts through Triton's interpreter, and Triton does not "
+                                 "import here")
+    cfg = ModelConfig(d_model=heads * headdim // 2, headdim=headdim, d_state=d_state, ngroups=ngroups,
+                      chunk_size=chunk_size, n_layer=1, vocab_size=256)
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(cfg)
+    mixer.in_proj, mixer.out_proj = torch.nn.Identity(), torch.nn.Identity()  # the region alone
+    params = list(mixer.parameters())
+    zx = (torch.randn(batch_size, seq_len, sum(mixer.split)) * 0.5).to(TORCH_DTYPE[dtype]).requires_grad_()
+    dout = torch.randn(batch_size, seq_len, cfg.d_inner).to(zx.dtype)
+    sizes = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=chunk_size, A_floor=cfg.A_floor,
+                 eps=cfg.norm_eps)
+    paths = {"fused (kernels.mixer_triton)": lambda: K.mixer_triton(zx, *params, **sizes),
+             'eager glue + ssd(impl="triton")': lambda: K.mixer_torch(zx, *params, **sizes, impl="triton")[0]}
+    counts = {}
+    for name, region in paths.items():
+        box = {}
+        fwd = _count(lambda: box.update(out=region()))
+        bwd = _count(lambda: torch.autograd.grad(box["out"], [zx] + params, dout))
+        counts[name] = fwd, bwd
+
+    # the compulsory minimum, from the tensors themselves
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    _, states, phase = K._mixer_forward(zx.detach(), *(p.detach() for p in params), None, headdim, ngroups,
+                                        cfg.n_angles, chunk_size, cfg.A_floor, cfg.norm_eps)
+    inputs, saved, out = nbytes(zx, *params), nbytes(states, phase), nbytes(dout)
+    minimum = (inputs + out + saved, inputs + saved + nbytes(dout) + inputs)  # the gradients are the inputs' size
+    rows = [["compulsory minimum", f"{minimum[0] / 1e6:.3f}", f"{minimum[1] / 1e6:.3f}", f"{sum(minimum) / 1e6:.3f}",
+             "1.00x", "", ""]]
+    for name, (fwd, bwd) in counts.items():
+        total = sum(fwd[0].values()) + sum(bwd[0].values())
+        launches = "/".join(str(sum(v for k, v in c[1].items() if k.startswith("triton"))) for c in (fwd, bwd))
+        ops = "/".join(str(sum(v for k, v in c[1].items() if k.startswith("eager"))) for c in (fwd, bwd))
+        rows.append([name, f"{sum(fwd[0].values()) / 1e6:.3f}", f"{sum(bwd[0].values()) / 1e6:.3f}",
+                     f"{total / 1e6:.3f}", f"{total / sum(minimum):.2f}x", launches, ops])
+    shape = f"B{batch_size} L{seq_len} H{heads} P{headdim} N{d_state} G{ngroups} S{cfg.n_angles} C{chunk_size} {dtype}"
+    print_table(f"mixer region traffic, MB ({shape}; in_proj and out_proj excluded)",
+                ["path", "fwd MB", "bwd MB", "total MB", "vs minimum", "launches fwd/bwd", "eager ops fwd/bwd"], rows)
+    fwd, bwd = counts["fused (kernels.mixer_triton)"]
+    who = sorted(set(fwd[0]) | set(bwd[0]), key=lambda k: -(fwd[0][k] + bwd[0][k]))
+    print_table("the fused path, by kernel or op (MB)", ["kernel / op", "fwd", "bwd"],
+                [[k, f"{fwd[0][k] / 1e6:.3f}", f"{bwd[0][k] / 1e6:.3f}"] for k in who])
+    console.print(f"saved for the backward besides the inputs: states {nbytes(states) / 1e6:.3f} MB, "
+                  f"phases {nbytes(phase) / 1e6:.3f} MB. machine: {machine()}")
+
+
 @command("all")
 def all_():
     """kernels, data, ckpt and train with their defaults, one after the other (compile and gpu run on their own)."""

@@ -1,17 +1,43 @@
-"""The Mamba-3 scan, `ssd`, three ways: the token-by-token recurrence (the oracle, and what a decode step
-uses), the chunked PyTorch path (vectorised across chunks, differentiable through autograd) and Triton
-forward and backward kernels. MAMBA3.md §2 is the definition; names follow it.
+"""The Mamba-3 layer's math: the scan `ssd` three ways (the token-by-token recurrence, the chunked PyTorch path,
+Triton kernels) and the mixer region around it, from the in_proj output to the gated output that goes into
+out_proj, two ways (`mixer_torch`, readable, and `mixer_triton`, fused kernels; `mixer` picks).
 
-Per batch element b and head h, with S the (P x N) state:
+The scan, per batch element b and head h, with S the (P x N) state:
 
     S_t = exp(log_a_t) * (S_{t-1} + beta_t * x_{t-1} k_{t-1}^T) + gamma_t * x_t k_t^T
     y_t = S_t q_t
 
-Shapes: x (B, L, H, P); q, k (B, L, H, N); log_a, gamma, beta (B, L, H). The state passed in and out is
-the tuple (S (B, H, P, N) float32, k_prev (B, H, N), x_prev (B, H, P)): exactly what a continuation call
-or a decoder needs.
+x (B, L, H, P); q, k (B, L, H, N); log_a, gamma, beta (B, L, H). The state passed in and out is the tuple
+(S (B, H, P, N) float32, k_prev (B, H, N), x_prev (B, H, P)): exactly what a continuation call or a decoder
+needs. An optional reset (B, L) bool marks document starts: where reset[b, t] is set, the state entering t is
+zero (S_{t-1}, x_{t-1} and k_{t-1} all count as 0), so S_t = gamma_t x_t k_t^T.
+
+The chunked form. Cut the sequence into chunks of C tokens; inside a chunk let cs_i be the running sum of
+log_a up to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice: with its own
+gamma now and with the next token's beta one step later). Then, with Sin the state entering the chunk,
+
+    Y    = (W o Q K^T) X + e * (Q Sin^T)            W_ij = exp(cs_i - cs_j) w_j (j < i), gamma_i (j = i), 0 above
+    Sout = a Sin + (X * u)^T K                       e_i = exp(cs_i),  u_j = exp(cs_last - cs_j) w_j,  a = exp(cs_last)
+
+(the state carried between chunks already holds the next token's beta term; only the state after the last
+token of the sequence is the true S). A reset cuts a chunk into segments: seg_i counts the resets up to i, and
+every decay that would cross one is zero: W_ij needs seg_i == seg_j, e_i needs seg_i == 0 (no reset since the
+chunk began), u_j needs seg_j == seg_last, a needs seg_last == 0. Only masks; never a -inf in a cumsum.
+
+The mixer region (the layer minus its two projections). in_proj's output splits, per token, into
+z, x (H*P each) | B, C (G*N each, shared by the H/G heads of a group) | dd_dt, dd_A, trap (H each) | angle (S).
+
+    dt = softplus(dd_dt + dt_bias)                  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
+    log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
+    Phi_t = Phi_{t-1} + pi tanh(angle_t) dt_t       per head, S angles; restarts at a reset (Phi_{-1} = 0)
+    k = Rot(Phi)(RMSNorm(B) + B_bias[h]),  q = Rot(Phi)(RMSNorm(C) + C_bias[h])
+    out = (ssd(x, q, k, log_a, gamma, beta) + D x) * silu(z)
+
+Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i; the other N - 2S dims pass through.
 """
+import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +82,17 @@ def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
     return y, S
 
 
-def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None):
-    """MAMBA3.md §2's recurrence, one token at a time. Slow; the ground truth for every other path."""
+def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
+    """The recurrence, one token at a time. Slow; the ground truth for every other path."""
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     S, k_prev, x_prev = _initial_state(state, x, k, dtype)
     xc, qc, kc = x.to(dtype), q.to(dtype), k.to(dtype)
     la, g, b = log_a.to(dtype), gamma.to(dtype), beta.to(dtype)
     ys = []
     for t in range(x.shape[1]):
+        if reset is not None:  # a document starts at t: nothing before it reaches it
+            keep = (~reset[:, t]).to(dtype)[:, None]
+            S, k_prev, x_prev = S * keep[..., None, None], k_prev * keep[..., None], x_prev * keep[..., None]
         y, S = recurrent_step(S, k_prev, x_prev, xc[:, t], qc[:, t], kc[:, t], la[:, t], g[:, t], b[:, t])
         ys.append(y)
         k_prev, x_prev = kc[:, t], xc[:, t]
@@ -74,11 +103,23 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None):
 # the chunked form in PyTorch
 
 
-def decay_matrix(cs):
-    """cs (b, C) -> D (b, C, C) with D_ij = exp(cs_i - cs_j) for j <= i and 0 above the diagonal.
-    Only differences <= 0 are exponentiated: the ones above the diagonal (> 0, possibly huge) are clamped
-    to 0 first and then masked."""
-    return (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
+def decay_matrix(cs, same=None):
+    """cs (b, C) -> D (b, C, C) with D_ij = exp(cs_i - cs_j) for j <= i and 0 above the diagonal (and, given
+    `same` (b, C, C), 0 between segments). Only differences <= 0 are exponentiated: the ones above the diagonal
+    (> 0, possibly huge) are clamped to 0 first and then masked."""
+    D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
+    return D if same is None else D.mul_(same)
+
+
+def _segment_decays(cs, seg):
+    """The decays that cross a chunk boundary, zero where a reset lies in between. cs, seg (b, C) ->
+    e (b, C): from the chunk's start to i; f (b, C): from j to the chunk's end; a (b,): over the whole chunk;
+    and same (b, C, C), whether i and j lie in one segment (None without resets)."""
+    e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
+    if seg is None:
+        return e, f, a, None
+    last = seg[:, -1:]
+    return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0), (seg[:, :, None] == seg[:, None, :]).to(cs.dtype)
 
 
 def _weights(D, w, g):
@@ -90,48 +131,48 @@ def _weights(D, w, g):
 
 class ChunkedScan(torch.autograd.Function):
     """The chunked scan on chunk-major tensors (b = B*H*nc chunks of C tokens), forward and backward written
-    out by hand. Autograd would keep and copy several C x C temporaries per chunk; this keeps two (the decay
-    matrix D, the scores Q K^T and M) and spends its time in batched matmuls. The same equations are what the
-    Triton kernels compute tile by tile. Per chunk, with Sin the state entering it:
+    out by hand. Autograd would keep and copy several C x C temporaries per chunk; this keeps three (the decay
+    matrix D, the scores Q K^T and M) and spends its time in batched matmuls. Per chunk, with Sin the state
+    entering it (the module docstring's chunked form; seg (b, C), the resets counted inside each chunk, or None):
 
-        Y    = (W o (Q K^T)) X + exp(cs) * (Q Sin^T)       W_ij = D_ij w_j (j < i), gamma_i (j = i), 0 (j > i)
-        Sout = exp(cs_last) Sin + (X * u)^T K              u_s = exp(cs_last - cs_s) w_s
+        Y    = (W o (Q K^T)) X + e * (Q Sin^T)       W_ij = D_ij w_j (j < i), gamma_i (j = i), 0 (j > i)
+        Sout = a Sin + (X * u)^T K                   u = f * w
 
     and a short loop over the chunks chains them: Sin_{c+1} = Sout_c."""
 
     @staticmethod
-    def forward(ctx, X, Q, K, cs, w, g, Sin0):  # (b, C, P), (b, C, N) x2, (b, C) x3, (BH, P, N)
+    def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):  # (b, C, P), (b, C, N) x2, (b, C) x3, (BH, P, N), (b, C)
         b, C, P = X.shape
         BH, _, N = Sin0.shape
         nc = b // BH
+        e, f, a, same = _segment_decays(cs, seg)
         # what each chunk adds to the state at its end (its last token's w already holds the next beta)
-        u = (cs[:, -1:] - cs).exp() * w  # (b, C)
-        Xu = X * u[..., None]  # (b, C, P)
+        Xu = X * (f * w)[..., None]  # (b, C, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
         # the states entering the chunks, one chunk after the other (nc = L / C: a short loop)
-        a = cs[:, -1].exp().view(BH, nc, 1, 1)  # each chunk's total decay
+        a = a.view(BH, nc, 1, 1)
         Sin = torch.empty_like(dS)
         S = Sin0
         for c in range(nc):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
-        D = decay_matrix(cs)
+        D = decay_matrix(cs, same)
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C, C)
         M = _weights(D, w, g).mul_(scores)
         # kept for the backward: D, scores and M (on a CPU, recomputing M costs as much as keeping it)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin)
+        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)  # Xu's buffer is free again: one 4 MB page-fault less
-        return torch.bmm(M, X).addcmul_(cs.exp()[..., None], QS), S
+        return torch.bmm(M, X).addcmul_(e[..., None], QS), S
 
     @staticmethod
     def backward(ctx, dY, dS_final):
-        X, Q, K, cs, w, g, D, scores, M, Sin = ctx.saved_tensors
+        X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
         dY = dY.contiguous()  # it arrives as a view of (B, L, H, P); four matmuls read it
         b, C, P = X.shape
         BH, N = dS_final.shape[0], Q.shape[-1]
         nc = b // BH
-        e = cs.exp()
+        e, f, a, _ = _segment_decays(cs, seg)
         # intra-chunk: Y = M X with M = scores o W; W = D o w_j below the diagonal and gamma_i on it (D_ii = 1)
         dX = torch.bmm(M.transpose(1, 2), dY)
         dMD = torch.bmm(dY, X.transpose(1, 2)).mul_(D)  # dM o D, (b, C, C)
@@ -145,23 +186,22 @@ class ChunkedScan(torch.autograd.Function):
         colR = R.sum(1)
         dw = colR - dg
         dcs = torch.bmm(R, w[..., None])[..., 0] - w * colR
-        # inter-chunk: exp(cs) * (Q Sin^T)
+        # inter-chunk: e * (Q Sin^T)
         T = torch.bmm(dY, Sin)  # (b, C, N)
         dcs += e * torch.linalg.vecdot(T, Q)
         dQ.addcmul_(e[..., None], T)
         dYe = dY * e[..., None]  # (b, C, P)
         dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
         # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
-        a = cs[:, -1].exp().view(BH, nc, 1, 1)
+        a = a.view(BH, nc, 1, 1)
         G = dS_final
         for c in reversed(range(nc)):  # dSin's slots take the gradient of each chunk's dS as they free up
             G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
         dS = dSin
-        # Sout_c = a_c Sin_c + dS_c with a_c = exp(cs_last): cs_last gets a_c <G_c, Sin_c>
+        # Sout_c = a_c Sin_c + dS_c: cs_last gets a_c <G_c, Sin_c> (a_c is 0 past a reset, and so is this)
         da = torch.linalg.vecdot(dS.flatten(2), Sin.view(BH, nc, P * N)) * a.view(BH, nc)
-        # what each chunk adds: dS = (X * u)^T K with u_s = f_s w_s, f_s = exp(cs_last - cs_s)
+        # what each chunk adds: dS = (X * u)^T K with u_s = f_s w_s
         dS = dS.view(b, P, N)
-        f = (cs[:, -1:] - cs).exp()
         u = f * w
         # (the dead buffers of dY * e and T take the products: on a CPU, fresh 4 MB buffers cost page faults)
         dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C, P)
@@ -171,7 +211,7 @@ class ChunkedScan(torch.autograd.Function):
         dw += du * f
         dcs -= du * u
         dcs[:, -1] += (du * u).sum(-1) + da.view(b)
-        return dX, dQ, dK, dcs, dw, dg, G  # G is now the gradient of Sin0
+        return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
 
 
 def _chunk_glue(gamma, beta, state, x, k, dtype):
@@ -184,16 +224,15 @@ def _chunk_glue(gamma, beta, state, x, k, dtype):
     return w, Sin0
 
 
-def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
-    """The chunked form of MAMBA3.md §2: chunks of C tokens become the batch of the matmuls in ChunkedScan.
-    cs is the inclusive cumsum of log_a inside a chunk and w_s = gamma_s + beta_{s+1}."""
+def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
+    """The chunked form: chunks of C tokens become the batch of the matmuls in ChunkedScan."""
     B, L, H, P = x.shape
     N = q.shape[-1]
     C = chunk_size
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     with torch.autocast(x.device.type, enabled=False):
         w, Sin0 = _chunk_glue(gamma, beta, state, x, k, dtype)
-        # pad to whole chunks with tokens that change nothing (no decay, no input), then chunk-major:
+        # pad to whole chunks with tokens that change nothing (no decay, no input, no reset), then chunk-major:
         # (B, L, H, D) -> (B*H*nc, C, D)
         pad = (-L) % C
         nc = (L + pad) // C
@@ -205,25 +244,110 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
-        Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N))  # (b, C, P), (B*H, P, N)
+        seg = None
+        if reset is not None:  # the resets counted inside each chunk, (b, C): equal counts, one segment
+            seg = F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(B * H * nc, C).cumsum(-1)
+        Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)  # (b, C, P), (B*H, P, N)
         y = Y.view(B, H, nc, C, P).permute(0, 2, 3, 1, 4).reshape(B, nc * C, H, P)[:, :L]
     return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
 
 
 # -----------------------------------------------------------------------------
+# the mixer region in PyTorch: the readable twin of the fused kernels (and the path with a decoding cache)
+
+
+def _f32(t):
+    # dt, A, the angles and the phases are computed in float32 (or float64 when the whole model is)
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def rotate(v, phi):
+    """Rotate adjacent pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest passes."""
+    S = phi.shape[-1]
+    v0, v1, rest = v[..., 0:2 * S:2], v[..., 1:2 * S:2], v[..., 2 * S:]
+    cos, sin = phi.cos(), phi.sin()
+    rotated = torch.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1)
+
+
+def phases(v, reset=None, phi0=None):
+    """Phi_t = Phi_{t-1} + v_t along dim 1 of v (B, L, ...), restarting at each reset (B, L) (Phi_t = v_t there)
+    and starting from phi0 (B, ...) where no reset has happened yet."""
+    phi = v.cumsum(1)
+    last = None
+    if reset is not None:
+        # subtract the running sum just before the latest reset at or before t (index -1: no reset yet)
+        L = reset.shape[1]
+        last = torch.where(reset, torch.arange(L, device=reset.device), -1).cummax(1).values  # (B, L)
+        before = F.pad(phi, (0, 0) * (phi.dim() - 2) + (1, 0))[:, :-1]  # the running sum up to t - 1
+        index = last.clamp(min=0).view(*last.shape, *(1,) * (phi.dim() - 2)).expand_as(phi)
+        phi = phi - before.gather(1, index)
+    if phi0 is not None:
+        carried = phi0[:, None] if last is None else torch.where((last < 0).view(*last.shape, *(1,) * (phi.dim() - 2)),
+                                                                 phi0[:, None], 0)
+        phi = phi + carried
+    return phi
+
+
+def split_sizes(H, P, G, N, S):
+    """in_proj's output, in order: z | x | B | C | dd_dt | dd_A | trap | angle."""
+    return [H * P, H * P, G * N, G * N, H, H, H, S]
+
+
+def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim, ngroups, n_angles,
+                chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None, impl="torch"):
+    """The mixer region in PyTorch ops (the module docstring's equations), the scan through ssd(impl=impl).
+    zxbcdt (B, L, 2HP + 2GN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. state: None, or a decoding cache's
+    (Phi (B, H, S), S, k_prev, x_prev); the state after the last token comes back with out (None without)."""
+    H, N = B_bias.shape
+    P, G = headdim, ngroups
+    Bsz, L, _ = zxbcdt.shape
+    z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(zxbcdt, split_sizes(H, P, G, N, n_angles), dim=-1)
+
+    dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
+    dd_A = _f32(dd_A)
+    # A = -max(f(dd_A), A_floor) with the heavy-tailed f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0)
+    f = torch.where(dd_A >= 0, 1 + dd_A, 1 / (1 - dd_A.clamp(max=0)))
+    log_a = -f.clamp(min=A_floor) * dt  # (B, L, H), < 0
+    lam = torch.sigmoid(_f32(trap))
+    gamma, beta = lam * dt, (1 - lam) * dt
+    # data-dependent rotary phases, accumulated per head and kept in [0, 2 pi)
+    theta = math.pi * torch.tanh(_f32(angle))  # (B, L, S)
+    phi = phases(theta[:, :, None, :] * dt[..., None], reset, None if state is None else state[0])  # (B, L, H, S)
+    phi = torch.remainder(phi, 2 * math.pi)
+
+    # B and C: RMS-normalised per group, shared by the group's heads, plus per-head biases, then rotated
+    Bn = F.rms_norm(Bm.view(Bsz, L, G, N), (N,), B_norm_weight, eps).repeat_interleave(H // G, dim=2)
+    Cn = F.rms_norm(Cm.view(Bsz, L, G, N), (N,), C_norm_weight, eps).repeat_interleave(H // G, dim=2)
+    k = rotate(_f32(Bn + B_bias), phi).to(x.dtype)  # (B, L, H, N)
+    q = rotate(_f32(Cn + C_bias), phi).to(x.dtype)
+    x = x.view(Bsz, L, H, P)
+
+    y, final = ssd(x, q, k, log_a, gamma, beta, None if state is None else state[1:], chunk_size, impl, reset)
+    y = y + D[:, None].to(y.dtype) * x
+    out = y.reshape(Bsz, L, -1) * F.silu(z)
+    return out, None if state is None else (phi[:, -1], *final)
+
+
+# -----------------------------------------------------------------------------
 # the chunked form in Triton
 #
-# The same equations as ChunkedScan, tile by tile. One program per chunk (pid = (b * H + h) * nc + c) and, on the
-# second grid axis, per tile of P or N. x, q, k, y and their gradients are read and written in place through
-# their (b, l, h) strides (last dim contiguous), masking the tokens past L in the last chunk instead of padding
-# copies; the per-token scalars cs, w, gamma are (B*H, nc, C), padded past L with tokens that neither decay nor
-# add input (so they load without masks), and the per-chunk states are (B*H, nc, P, N). Two dtypes, both tl.constexpr: DT, the one operand dtype of every
-# tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the dtype of cumsums, states, scalars and
-# accumulators (float32; float64 only for float64 inputs, which is what the oracle tests use).
+# One program per (b, h) walks the chunks in order and keeps the (P x N) state on chip in float32, so states
+# cross chunks in registers, not through HBM; it saves the state entering each chunk (in the dot operand dtype)
+# for the backward, which walks the chunks in reverse with the state's gradient G on chip. Token tensors are
+# read and written in place through their strides, the tokens past L in the last chunk masked; tiles are padded
+# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot). Two dtypes, both tl.constexpr: DT, the one operand
+# dtype of every tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the dtype of cumsums, states, scalars
+# and accumulators (float32; float64 for float64 inputs, as the oracle tests). The model's sizes (H, G, P, N, S)
+# are tl.constexpr too: index arithmetic folds, and a kernel is compiled once per model shape.
+#
+# Two users share the per-chunk helpers: the scan alone (ssd(impl="triton"): _scan_fwd, _scan_bwd, one launch
+# each) and the fused mixer region (mixer_triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads backward).
 
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # no Triton on this platform (macOS); impl="triton" then says so, everything else works
     triton = None
 
@@ -233,6 +357,7 @@ if triton is not None:
     _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
+    _PI = tl.constexpr(math.pi)
 
     @triton.jit
     def _dot(a, b, DT: tl.constexpr):
@@ -246,208 +371,503 @@ if triton is not None:
         return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _chunk_coords(pid, H, nc, C: tl.constexpr):
-        # chunk pid -> batch b, head h and its C token positions t in the sequence
-        bh, c = pid // nc, pid % nc
-        return bh // H, bh % H, c * C + tl.arange(0, C)
+    def _last(v, i, C: tl.constexpr):
+        # v's entry at i = C - 1, as a scalar (v: (C,))
+        return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
 
     @triton.jit
-    def _load_rows(ptr, s_b, s_l, s_h, b, h, t, L, d, ncols):
-        # the (C, tile) block of a (B, L, H, ncols) tensor at tokens t and columns d; zeros past L and ncols
-        mask = (t[:, None] < L) & (d[None, :] < ncols)
-        return tl.load(ptr + b * s_b + h * s_h + t[:, None] * s_l + d[None, :], mask=mask, other=0.0)
+    def _first(v, i):
+        return tl.sum(tl.where(i == 0, v, 0), axis=0)
 
     @triton.jit
-    def _store_rows(ptr, s_b, s_l, s_h, b, h, t, L, d, ncols, value):
-        mask = (t[:, None] < L) & (d[None, :] < ncols)
-        tl.store(ptr + b * s_b + h * s_h + t[:, None] * s_l + d[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+    def _shift_down(v, i):
+        # v_{i-1} at i (0 at i = 0): a (C, C) select and sum, cheap next to the chunk's matmuls
+        return tl.sum(tl.where(i[:, None] == i[None, :] + 1, v[None, :], 0.0), axis=1)
 
     @triton.jit
-    def _load_state(ptr, pid, p, n, P, N):
-        # the (p, n) tile of chunk pid's (P, N) state
-        return tl.load(ptr + pid * P * N + p[:, None] * N + n[None, :], mask=(p[:, None] < P) & (n[None, :] < N),
-                       other=0.0)
+    def _in_bounds(valid, cols, ncols: tl.constexpr, TILE: tl.constexpr):
+        # rows `valid` x columns < ncols of a (C, TILE) block; the column test is left out when the tile has no
+        # padding (ncols and TILE are compile-time constants: the model's sizes are usually powers of 2)
+        mask = valid[:, None]
+        if ncols != TILE:
+            mask = mask & (cols < ncols)[None, :]
+        return mask
 
     @triton.jit
-    def _chunk_scalars(cs_ptr, w_ptr, g_ptr, pid, C: tl.constexpr):
-        """cs, w, gamma of chunk pid (C,) and what is built from them:
-            e_i = exp(cs_i)               the decay from the chunk's start through token i
-            f_i = exp(cs_last - cs_i)     the decay from token i to the chunk's end;  u_i = f_i w_i
-            D_ij = exp(cs_i - cs_j) for j <= i, else 0
-            W_ij = D_ij w_j for j < i, gamma_i on the diagonal, 0 above
-        Every exponent is <= 0 (log_a <= 0); D's differences above the diagonal are > 0 (and possibly huge), so
+    def _segments(reset_ptr, b, t, valid, L, HAS_RESET: tl.constexpr):
+        # seg_i, the resets counted from the chunk's start through token i (zeros without resets)
+        if HAS_RESET:
+            return tl.cumsum(tl.load(reset_ptr + b * L + t, mask=valid, other=0).to(tl.int32), 0)
+        return tl.zeros(t.shape, tl.int32)
+
+    @triton.jit
+    def _decays(cs, w, g, seg, i, C: tl.constexpr):
+        """From a chunk's cs, w, gamma and seg (C,): the decays every chunk formula uses.
+            same_ij  = j <= i and no reset between them (one segment)
+            decay_ij = exp(cs_i - cs_j) where same_ij, else 0
+            W_ij     = decay_ij w_j below the diagonal, gamma_i on it, 0 above
+            e_i = exp(cs_i) (seg_i = 0),  f_j = exp(cs_last - cs_j) (seg_j = seg_last),  u = f w,
+            a = exp(cs_last) (seg_last = 0): the decays across the chunk's start and end, 0 past a reset.
+        Every exponent is <= 0 (log_a <= 0); the differences above the diagonal are > 0 (and possibly huge), so
         they are clamped to 0 first and masked after."""
-        i = tl.arange(0, C)
-        cs, w, g = tl.load(cs_ptr + pid * C + i), tl.load(w_ptr + pid * C + i), tl.load(g_ptr + pid * C + i)
-        f = tl.exp(tl.load(cs_ptr + pid * C + C - 1) - cs)
-        D = tl.where(i[:, None] >= i[None, :], tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
-        W = tl.where(i[:, None] > i[None, :], D * w[None, :], tl.where(i[:, None] == i[None, :], g[:, None], 0.0))
-        return cs, w, tl.exp(cs), f, f * w, D, W
+        cs_last, seg_last = _last(cs, i, C), _last(seg, i, C)
+        same = (i[None, :] <= i[:, None]) & (seg[:, None] == seg[None, :])
+        decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
+        W = tl.where(i[:, None] == i[None, :], g[:, None], decay * w[None, :])
+        e = tl.where(seg == 0, tl.exp(cs), 0.0)
+        f = tl.where(seg == seg_last, tl.exp(cs_last - cs), 0.0)
+        a = tl.where(seg_last == 0, tl.exp(cs_last), 0.0)
+        return same, decay, W, e, f, f * w, a
 
     @triton.jit
-    def _chunk_state(x_ptr, sx_b, sx_l, sx_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, out_ptr, L, H, P, N, nc,
-                     C: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, BACKWARD: tl.constexpr):
-        """What a chunk adds to the state at its end, one (BP, BN) tile per program; grid (chunks, P/BP, N/BN):
-            forward:   dS_c   = (X * u)^T K      u_i = exp(cs_last - cs_i) w_i
-            backward:  dSin_c = (dY * e)^T Q     e_i = exp(cs_i), with (dY, Q) in the (x, k) slots: the gradient
-                       that chunk c's outputs Y = exp(cs) * (Q Sin_c^T) + ... send to the state entering it."""
-        pid = tl.program_id(0).to(tl.int64)
-        b, h, t = _chunk_coords(pid, H, nc, C)
-        p = tl.program_id(1) * BP + tl.arange(0, BP)
-        n = tl.program_id(2) * BN + tl.arange(0, BN)
-        i = tl.arange(0, C)
-        cs = tl.load(cs_ptr + pid * C + i)
-        if BACKWARD:
-            s = tl.exp(cs)
-        else:
-            s = tl.exp(tl.load(cs_ptr + pid * C + C - 1) - cs) * tl.load(w_ptr + pid * C + i)
-        X = _load_rows(x_ptr, sx_b, sx_l, sx_h, b, h, t, L, p, P)  # (C, BP)
-        K = _load_rows(k_ptr, sk_b, sk_l, sk_h, b, h, t, L, n, N)  # (C, BN)
-        out = _dot(tl.trans(X * s[:, None]), K, DT)  # (BP, BN)
-        tl.store(out_ptr + pid * P * N + p[:, None] * N + n[None, :], out, mask=(p[:, None] < P) & (n[None, :] < N))
+    def _chunk_forward(Q, K, X, S, W, e, u, a, DT: tl.constexpr):
+        """One chunk: Y = (W o Q K^T) X + e * (Q Sin^T) and the state leaving it, a Sin + (X * u)^T K. (Operands
+        are cast to DT before they are transposed: a transposed bf16 tile is a view of shared memory, a
+        transposed float32 one a shuffle through registers.)"""
+        Y = _dot(W * _dot(Q, tl.trans(K.to(DT)), DT), X, DT) + e[:, None] * _dot(Q, tl.trans(S.to(DT)), DT)
+        return Y, a * S + _dot(tl.trans((X * u[:, None]).to(DT)), K, DT)
 
     @triton.jit
-    def _state_fwd(S_ptr, cs_ptr, Sin0_ptr, Sfinal_ptr, nc, PN, C: tl.constexpr, BLOCK: tl.constexpr):
-        """The chunks chained one after the other: sequential in c, parallel over (b, h) and BLOCK-sized tiles of
-        the flattened (P, N) state; grid (B*H, PN/BLOCK).
-            Sin_0 = S0 + beta_0 x_prev k_prev^T (given),   Sin_{c+1} = exp(cs_last,c) Sin_c + dS_c
-        S_ptr holds dS_c on entry and Sin_c on exit; Sfinal gets Sin_nc, the true state after the last token
-        (its w has no next beta)."""
-        bh = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        S = tl.load(Sin0_ptr + bh * PN + j, mask=j < PN, other=0.0)
-        for c in range(nc):
-            chunk = bh * nc + c
-            ptrs = S_ptr + chunk * PN + j
-            dS = tl.load(ptrs, mask=j < PN, other=0.0)
-            tl.store(ptrs, S, mask=j < PN)
-            S = tl.exp(tl.load(cs_ptr + chunk * C + C - 1)) * S + dS
-        tl.store(Sfinal_ptr + bh * PN + j, S, mask=j < PN)
-
-    @triton.jit
-    def _chunk_output(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h,
-                      y_ptr, sy_b, sy_l, sy_h, cs_ptr, w_ptr, g_ptr, Sin_ptr, L, H, P, N, nc,
-                      C: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr):
-        """A chunk's outputs, one P tile per program; grid (chunks, P/BP); the sums over N run in BN tiles:
-            Y = (W o (Q K^T)) X + exp(cs) * (Q Sin^T)
-        the intra-chunk (masked) form plus what the state entering the chunk contributes."""
-        pid = tl.program_id(0).to(tl.int64)
-        b, h, t = _chunk_coords(pid, H, nc, C)
-        p = tl.program_id(1) * BP + tl.arange(0, BP)
-        scores = tl.zeros((C, C), ACC)  # Q K^T
-        QS = tl.zeros((C, BP), ACC)  # Q Sin^T
-        for n0 in range(0, N, BN):
-            n = n0 + tl.arange(0, BN)
-            Q = _load_rows(q_ptr, sq_b, sq_l, sq_h, b, h, t, L, n, N)  # (C, BN)
-            K = _load_rows(k_ptr, sk_b, sk_l, sk_h, b, h, t, L, n, N)
-            scores += _dot(Q, tl.trans(K), DT)
-            QS += _dot(Q, tl.trans(_load_state(Sin_ptr, pid, p, n, P, N)), DT)
-        cs, w, e, f, u, D, W = _chunk_scalars(cs_ptr, w_ptr, g_ptr, pid, C)
-        X = _load_rows(x_ptr, sx_b, sx_l, sx_h, b, h, t, L, p, P)  # (C, BP)
-        Y = _dot(scores * W, X, DT) + e[:, None] * QS
-        _store_rows(y_ptr, sy_b, sy_l, sy_h, b, h, t, L, p, P, Y)
-
-    @triton.jit
-    def _state_bwd(dS_ptr, Sin_ptr, cs_ptr, dSfinal_ptr, dSin0_ptr, da_ptr, nc, PN,
-                   C: tl.constexpr, BLOCK: tl.constexpr):
-        """The chain in reverse, for the gradient G of the state leaving each chunk; grid (B*H, PN/BLOCK):
-            G_{nc-1} = dS_final,   G_{c-1} = exp(cs_last,c) G_c + dSin_c
-        dS_ptr holds dSin_c (from _chunk_state on dY, Q) on entry and G_c on exit; dSin0 gets the gradient of the
-        state entering chunk 0. Since Sout_c = a_c Sin_c + ..., a_c = exp(cs_last,c) gets a_c <G_c, Sin_c> in
-        cs_last's gradient: each program writes its tile's share to da (chunks, tiles), summed in torch."""
-        bh = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        G = tl.load(dSfinal_ptr + bh * PN + j, mask=j < PN, other=0.0)
-        for r in range(nc):
-            chunk = bh * nc + nc - 1 - r
-            a = tl.exp(tl.load(cs_ptr + chunk * C + C - 1))
-            ptrs = dS_ptr + chunk * PN + j
-            dSin = tl.load(ptrs, mask=j < PN, other=0.0)
-            tl.store(ptrs, G, mask=j < PN)
-            Sin = tl.load(Sin_ptr + chunk * PN + j, mask=j < PN, other=0.0)
-            tl.store(da_ptr + chunk * tl.num_programs(1) + tl.program_id(1), a * tl.sum(G * Sin))
-            G = a * G + dSin
-        tl.store(dSin0_ptr + bh * PN + j, G, mask=j < PN)
-
-    @triton.jit
-    def _chunk_bwd_dx(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h,
-                      dy_ptr, sdy_b, sdy_l, sdy_h, dx_ptr, sdx_b, sdx_l, sdx_h, cs_ptr, w_ptr, g_ptr, Sin_ptr, G_ptr,
-                      dcs_ptr, dw_ptr, dg_ptr, L, H, P, N, nc,
-                      C: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr):
-        """dX for one P tile of a chunk, and that tile's share of the per-token scalar gradients; grid
-        (chunks, P/BP). With M = W o (Q K^T) (Y = M X + ...) and G the gradient of the state leaving the chunk
-        (Sout = a Sin + (X * u)^T K):
-            dX  = M^T dY + u * (K G^T)
-            R   = (dY X^T) o (Q K^T) o D        (dW o D: what W's entries, through D, w and gamma, receive)
-            dgamma_i = R_ii,   dw_j = sum_{i>j} R_ij + du_j f_j,   du_i = x_i . (K G^T)_i
+    def _chunk_backward(Q, K, X, dY, scores, QS, S, G, decay, W, e, f, w, u, a, i, C: tl.constexpr,
+                        DT: tl.constexpr):
+        """The gradients of one chunk, G being the gradient of the state leaving it (Sout = a Sin + (X u)^T K):
+            dX  = (W o Q K^T)^T dY + u * (K G^T)
+            dQ  = (dM o W) K + e * (dY Sin)            dM = dY X^T
+            dK  = (dM o W)^T Q + u * (X G)
+            R   = dM o (Q K^T) o decay                 (what W's entries pass on to w and cs)
+            dgamma_i = (dM o Q K^T)_ii,   dw_j = sum_{i>j} R_ij + du_j f_j,   du_i = x_i . (K G^T)_i
             dcs_i = sum_{j<i} R_ij w_j - w_i sum_{l>i} R_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
-                    + [i = last] sum_j du_j u_j
-        Every term is a sum over P, so each P tile writes its share to (P tiles, chunks, C), summed in torch."""
-        pid = tl.program_id(0).to(tl.int64)
-        b, h, t = _chunk_coords(pid, H, nc, C)
-        p = tl.program_id(1) * BP + tl.arange(0, BP)
-        scores = tl.zeros((C, C), ACC)  # Q K^T
-        KG = tl.zeros((C, BP), ACC)  # K G^T
-        QS = tl.zeros((C, BP), ACC)  # Q Sin^T
-        for n0 in range(0, N, BN):
-            n = n0 + tl.arange(0, BN)
-            Q = _load_rows(q_ptr, sq_b, sq_l, sq_h, b, h, t, L, n, N)  # (C, BN)
-            K = _load_rows(k_ptr, sk_b, sk_l, sk_h, b, h, t, L, n, N)
-            scores += _dot(Q, tl.trans(K), DT)
-            KG += _dot(K, tl.trans(_load_state(G_ptr, pid, p, n, P, N)), DT)
-            QS += _dot(Q, tl.trans(_load_state(Sin_ptr, pid, p, n, P, N)), DT)
-        cs, w, e, f, u, D, W = _chunk_scalars(cs_ptr, w_ptr, g_ptr, pid, C)
-        X = _load_rows(x_ptr, sx_b, sx_l, sx_h, b, h, t, L, p, P)  # (C, BP)
-        dY = _load_rows(dy_ptr, sdy_b, sdy_l, sdy_h, b, h, t, L, p, P)
-        dX = _dot(tl.trans(scores * W), dY, DT) + u[:, None] * KG
-        _store_rows(dx_ptr, sdx_b, sdx_l, sdx_h, b, h, t, L, p, P, dX)
-        i = tl.arange(0, C)
-        R = _dot(dY, tl.trans(X), DT) * scores * D
-        below = tl.where(i[:, None] > i[None, :], R, 0.0)
-        col = tl.sum(below, axis=0)  # sum_{l>j} R_lj
-        du = tl.sum(X * KG, axis=1)
-        dcs = tl.sum(below * w[None, :], axis=1) - w * col + e * tl.sum(dY * QS, axis=1) - du * u
-        dcs += tl.where(i == C - 1, tl.sum(du * u), 0.0)
-        share = (tl.program_id(1) * tl.num_programs(0) + pid) * C + i
-        tl.store(dcs_ptr + share, dcs)
-        tl.store(dw_ptr + share, col + du * f)
-        tl.store(dg_ptr + share, tl.sum(tl.where(i[:, None] == i[None, :], R, 0.0), axis=1))
+                    + [i = last] (sum_j du_j u_j + a <G, Sin>)
+            dSin = a G + (e * dY)^T Q                  (the G of the chunk before)"""
+        KGt = _dot(K, tl.trans(G), DT)  # (C, P)
+        dM = _dot(dY, tl.trans(X), DT)  # (C, C)
+        dX = _dot(tl.trans(W * scores), dY, DT) + u[:, None] * KGt
+        dWs = dM * W
+        dQ = _dot(dWs, K, DT) + e[:, None] * _dot(dY, S, DT)
+        dK = _dot(tl.trans(dWs), Q, DT) + u[:, None] * _dot(X, G, DT)
+        dMs = dM * scores
+        R = tl.where(i[None, :] < i[:, None], dMs * decay, 0.0)
+        col = tl.sum(R, axis=0)  # sum_{l>j} R_lj
+        du = tl.sum(X * KGt, axis=1)
+        dg = tl.sum(tl.where(i[:, None] == i[None, :], dMs, 0.0), axis=1)
+        dw = col + du * f
+        dcs = tl.sum(R * w[None, :], axis=1) - w * col + e * tl.sum(dY * QS, axis=1) - du * u
+        dcs += tl.where(i == C - 1, tl.sum(du * u, axis=0) + a * tl.sum(G * S), 0.0)
+        return dX, dQ, dK, dcs, dw, dg, a * G + _dot(tl.trans(dY * e[:, None]), Q, DT)
 
     @triton.jit
-    def _chunk_bwd_dqk(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h,
-                       dy_ptr, sdy_b, sdy_l, sdy_h, dq_ptr, sdq_b, sdq_l, sdq_h, dk_ptr, sdk_b, sdk_l, sdk_h,
-                       cs_ptr, w_ptr, g_ptr, Sin_ptr, G_ptr, L, H, P, N, nc,
-                       C: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr):
-        """dQ and dK for one N tile of a chunk; grid (chunks, N/BN); the sums over P run in BP tiles:
-            dQ = (dM o W) K   + e * (dY Sin)        dM = dY X^T
-            dK = (dM o W)^T Q + u * (X G)           G: the gradient of the state leaving the chunk"""
-        pid = tl.program_id(0).to(tl.int64)
-        b, h, t = _chunk_coords(pid, H, nc, C)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        dM = tl.zeros((C, C), ACC)
-        dYS = tl.zeros((C, BN), ACC)  # dY Sin
-        XG = tl.zeros((C, BN), ACC)  # X G
-        for p0 in range(0, P, BP):
-            p = p0 + tl.arange(0, BP)
-            X = _load_rows(x_ptr, sx_b, sx_l, sx_h, b, h, t, L, p, P)  # (C, BP)
-            dY = _load_rows(dy_ptr, sdy_b, sdy_l, sdy_h, b, h, t, L, p, P)
-            dM += _dot(dY, tl.trans(X), DT)
-            dYS += _dot(dY, _load_state(Sin_ptr, pid, p, n, P, N), DT)
-            XG += _dot(X, _load_state(G_ptr, pid, p, n, P, N), DT)
-        cs, w, e, f, u, D, W = _chunk_scalars(cs_ptr, w_ptr, g_ptr, pid, C)
-        dscores = dM * W
-        Q = _load_rows(q_ptr, sq_b, sq_l, sq_h, b, h, t, L, n, N)  # (C, BN)
-        K = _load_rows(k_ptr, sk_b, sk_l, sk_h, b, h, t, L, n, N)
-        _store_rows(dq_ptr, sdq_b, sdq_l, sdq_h, b, h, t, L, n, N, _dot(dscores, K, DT) + e[:, None] * dYS)
-        _store_rows(dk_ptr, sdk_b, sdk_l, sdk_h, b, h, t, L, n, N, _dot(tl.trans(dscores), Q, DT) + u[:, None] * XG)
+    def _scan_chunk(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                    reset_ptr, b, h, bh, c, nc, L, i, p, n, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr,
+                    PP: tl.constexpr, NP: tl.constexpr, HAS_RESET: tl.constexpr):
+        """What both scan kernels read of chunk c for (b, h): its tokens t, the row masks, q, k, x, and cs, w,
+        gamma at cw (their offsets in the (B*H, nc, C) arrays) with the decays built from them."""
+        t = c * C + i
+        valid = t < L
+        qk_mask = _in_bounds(valid, n, N, NP)
+        x_mask = _in_bounds(valid, p, P, PP)
+        Q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_l + h * sq_h + n[None, :], mask=qk_mask, other=0.0)
+        K = tl.load(k_ptr + b * sk_b + t[:, None] * sk_l + h * sk_h + n[None, :], mask=qk_mask, other=0.0)
+        X = tl.load(x_ptr + b * sx_b + t[:, None] * sx_l + h * sx_h + p[None, :], mask=x_mask, other=0.0)
+        cw = (bh * nc + c) * C + i
+        cs, w, g = tl.load(cs_ptr + cw), tl.load(w_ptr + cw), tl.load(g_ptr + cw)
+        _, decay, W, e, f, u, a = _decays(cs, w, g, _segments(reset_ptr, b, t, valid, L, HAS_RESET), i, C)
+        return t, qk_mask, x_mask, Q, K, X, cw, w, decay, W, e, f, u, a
+
+    @triton.jit
+    def _scan_fwd(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, y_ptr, sy_b, sy_l, sy_h,
+                  cs_ptr, w_ptr, g_ptr, reset_ptr, Sin0_ptr, states, S_ptr, L, nc,
+                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr,
+                  NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                  HAS_RESET: tl.constexpr):
+        """The scan alone, one program per (b, h); grid (B*H,). Reads x, q, k (B, L, H, .), the per-chunk cs, w,
+        gamma (B*H, nc, C) and the state entering chunk 0 (B*H, P, N); writes y, the state entering each chunk
+        (the descriptor `states` over (B*H*nc*PP, NP), padded tiles) for the backward, and the state after the
+        last token (B*H, P, N). The state never leaves the chip between chunks: the chunks run one after the
+        other, the (b, h) pairs in parallel."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        i, p, n = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP)
+        pn = p[:, None] * N + n[None, :]
+        pn_mask = (p < P)[:, None] & (n < N)[None, :]
+        S = tl.load(Sin0_ptr + bh * P * N + pn, mask=pn_mask, other=0.0).to(ACC)
+        for c in range(nc):
+            t, _, x_mask, Q, K, X, _, _, _, W, e, _, u, a = _scan_chunk(
+                x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                reset_ptr, b, h, bh, c, nc, L, i, p, n, P, N, C, PP, NP, HAS_RESET)
+            states.store([((bh * nc + c) * PP).to(tl.int32), 0], S.to(DT))
+            Y, S = _chunk_forward(Q, K, X, S, W, e, u, a, DT)
+            tl.store(y_ptr + b * sy_b + t[:, None] * sy_l + h * sy_h + p[None, :], Y.to(y_ptr.dtype.element_ty),
+                     mask=x_mask)
+        tl.store(S_ptr + bh * P * N + pn, S, mask=pn_mask)
+
+    @triton.jit
+    def _scan_bwd(x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h,
+                  dy_ptr, sdy_b, sdy_l, sdy_h, dx_ptr, dq_ptr, dk_ptr, cs_ptr, w_ptr, g_ptr, reset_ptr, states,
+                  dS_ptr, dcs_ptr, dw_ptr, dg_ptr, dSin0_ptr, L, nc,
+                  H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, PP: tl.constexpr,
+                  NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                  HAS_RESET: tl.constexpr):
+        """The scan's backward, one program per (b, h) walking the chunks in reverse with G, the gradient of the
+        state leaving the chunk, on chip (it starts as the final state's gradient dS (B*H, P, N)). Reads what
+        _scan_fwd read plus dy and the saved states; writes dx, dq, dk (contiguous (B, L, H, .)), dcs, dw, dgamma
+        (B*H, nc, C) and the gradient of the state entering chunk 0 (B*H, P, N)."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        i, p, n = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP)
+        pn = p[:, None] * N + n[None, :]
+        pn_mask = (p < P)[:, None] & (n < N)[None, :]
+        G = tl.load(dS_ptr + bh * P * N + pn, mask=pn_mask, other=0.0).to(ACC)
+        for r in range(nc):
+            c = nc - 1 - r
+            t, qk_mask, x_mask, Q, K, X, cw, w, decay, W, e, f, u, a = _scan_chunk(
+                x_ptr, sx_b, sx_l, sx_h, q_ptr, sq_b, sq_l, sq_h, k_ptr, sk_b, sk_l, sk_h, cs_ptr, w_ptr, g_ptr,
+                reset_ptr, b, h, bh, c, nc, L, i, p, n, P, N, C, PP, NP, HAS_RESET)
+            dY = tl.load(dy_ptr + b * sdy_b + t[:, None] * sdy_l + h * sdy_h + p[None, :], mask=x_mask, other=0.0)
+            S = states.load([((bh * nc + c) * PP).to(tl.int32), 0])
+            scores = _dot(Q, tl.trans(K), DT)
+            QS = _dot(Q, tl.trans(S), DT)
+            dX, dQ, dK, dcs, dw, dg, G = _chunk_backward(Q, K, X, dY, scores, QS, S.to(ACC), G, decay, W, e, f, w,
+                                                         u, a, i, C, DT)
+            tok = (b * L + t[:, None]) * H + h  # dx, dq, dk are fresh contiguous (B, L, H, .) tensors
+            tl.store(dx_ptr + tok * P + p[None, :], dX.to(dx_ptr.dtype.element_ty), mask=x_mask)
+            tl.store(dq_ptr + tok * N + n[None, :], dQ.to(dq_ptr.dtype.element_ty), mask=qk_mask)
+            tl.store(dk_ptr + tok * N + n[None, :], dK.to(dk_ptr.dtype.element_ty), mask=qk_mask)
+            tl.store(dcs_ptr + cw, dcs)
+            tl.store(dw_ptr + cw, dw)
+            tl.store(dg_ptr + cw, dg)
+        tl.store(dSin0_ptr + bh * P * N + pn, G, mask=pn_mask)
+
+    # --- the fused mixer region: everything from in_proj's output to the gated output, per (b, h) ---
+
+    @triton.jit
+    def _softplus(v):
+        # softplus(v) and its derivative sigmoid(v), as torch computes them (the identity above 20); log1p(e^v)
+        # through log(1 + x) x / ((1 + x) - 1), accurate where 1 + x rounds (dt is often ~1e-3)
+        ex = tl.exp(tl.minimum(v, 20.0))
+        one = 1.0 + ex
+        log1p = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))
+        return tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
+
+    @triton.jit
+    def _tanh(v):
+        e = tl.exp(-2.0 * tl.abs(v))  # in (0, 1]: no overflow
+        return tl.where(v < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+
+    @triton.jit
+    def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
+        # dt = softplus(dd_dt + dt_bias) (0 past L: those tokens neither decay nor add), softplus' and
+        # lam = sigmoid(trap) of head h at the token rows
+        dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
+        trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
+        dt, dsp = _softplus(dd_dt + dt_bias)
+        return tl.where(valid, dt, 0.0), dsp, 1.0 / (1.0 + tl.exp(-trap))
+
+    @triton.jit
+    def _heavy_tail(dd_A):
+        # f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0), and f'(v)
+        neg = 1.0 / (1.0 - tl.minimum(dd_A, 0.0))
+        return tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
+
+    @triton.jit
+    def _rotate(v, cos, sin, C: tl.constexpr, NP: tl.constexpr):
+        # turn each pair (2j, 2j+1) of v (C, NP) by the angle whose cos and sin (C, NP / 2) are given
+        v0, v1 = tl.split(tl.reshape(v, (C, NP // 2, 2)))
+        return tl.reshape(tl.join(v0 * cos - v1 * sin, v0 * sin + v1 * cos), (C, NP))
+
+    @triton.jit
+    def _turn_rate(dv, v, C: tl.constexpr, NP: tl.constexpr):
+        # d/dPhi of turned pairs: a turned pair (v0, v1) moves as (-v1, v0), so the phase gets dv1 v0 - dv0 v1
+        v0, v1 = tl.split(tl.reshape(v, (C, NP // 2, 2)))
+        dv0, dv1 = tl.split(tl.reshape(dv, (C, NP // 2, 2)))
+        return dv1 * v0 - dv0 * v1
+
+    @triton.jit
+    def _phase(rows, valid, col_ang, S, j, dt, seg, same, carry, ACC: tl.constexpr, HAS_RESET: tl.constexpr):
+        """tanh(angle) (C, NP / 2) (0 for the pairs j >= S, which therefore never turn) and the phases: the carry
+        from the chunks before plus the running sum of theta dt = pi tanh(angle) dt inside the chunk, both
+        restarting at a reset (with resets the running sum is a product with `same`, the one-segment mask)."""
+        th = _tanh(tl.load(rows[:, None] + col_ang + j[None, :], mask=valid[:, None] & (j < S)[None, :],
+                           other=0.0).to(ACC))
+        v = (_PI * th) * dt[:, None]
+        if HAS_RESET:
+            Phi = _dot(same.to(ACC), v, ACC)
+        else:
+            Phi = tl.cumsum(v, 0)
+        return th, Phi + tl.where((seg == 0)[:, None], carry[None, :], 0.0)
+
+    @triton.jit
+    def _qk(rows, valid, col, n, N: tl.constexpr, weight, bias, cos, sin, eps, C: tl.constexpr, NP: tl.constexpr,
+            ACC: tl.constexpr):
+        """One head's k (from B's columns at col) or q (from C's): RMS-normalised over N, times the norm weight,
+        plus the head's bias, turned by the phases (pad rows are zeros). Also returns what the backward needs
+        besides: the normalised rows and 1 / rms."""
+        xb = tl.load(rows[:, None] + col + n[None, :], mask=_in_bounds(valid, n, N, NP), other=0.0).to(ACC)
+        rstd = 1.0 / tl.sqrt(tl.sum(xb * xb, 1) / N + eps)
+        xh = xb * rstd[:, None]
+        turned = _rotate(xh * weight[None, :] + bias[None, :], cos, sin, C, NP)
+        return tl.where(valid[:, None], turned, 0.0), xh, rstd
+
+    @triton.jit
+    def _qk_backward(dV, cos, sin, xh, rstd, weight, N, C: tl.constexpr, NP: tl.constexpr):
+        # from a turned q or k's gradient to that of the un-turned vector (= the bias's) and of the B or C row:
+        # turn back, then through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
+        dv = _rotate(dV, cos, -sin, C, NP)
+        dh = dv * weight[None, :]
+        mean = (tl.sum(dh * xh, 1) / N)[:, None]
+        return dv, rstd[:, None] * (dh - xh * mean)
+
+    @triton.jit
+    def _mixer_scalars(zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H: tl.constexpr, G: tl.constexpr,
+                       P: tl.constexpr, N: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr, HAS_RESET: tl.constexpr):
+        """Chunk c's tokens for head h: their rows of zxbcdt (B, L, W), the resets counted inside the chunk, and
+        the per-token scalars (dt and lam with their derivatives, for this token and the next; A and f(dd_A)'s
+        derivative; w; cs, the running sum of log_a = A dt)."""
+        col_dt = 2 * H * P + 2 * G * N
+        t = c * C + i
+        valid = t < L
+        rows = zx_ptr + b * s_b + t * s_l
+        seg = _segments(reset_ptr, b, t, valid, L, HAS_RESET)
+        dt, dsp, lam = _dt_lam(rows, valid, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
+        # the next token's beta completes w (token s's input enters with gamma_s now and beta_{s+1} next step)
+        dt_n, dsp_n, lam_n = _dt_lam(rows + s_l, t + 1 < L, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
+        dd_A = tl.load(rows + col_dt + H + h, mask=valid, other=0.0).to(ACC)
+        fA, dfA = _heavy_tail(dd_A)
+        A = -tl.maximum(fA, A_floor)
+        gamma = lam * dt
+        w = gamma + (1.0 - lam_n) * dt_n
+        return t, valid, rows, seg, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, tl.cumsum(A * dt, 0)
+
+    @triton.jit
+    def _one_segment(seg, i):
+        # (C, C): j <= i and no reset between them
+        return (i[None, :] <= i[:, None]) & (seg[:, None] == seg[None, :])
+
+    @triton.jit
+    def _norm_weight_bias(w_ptr, b_ptr, h, n, N: tl.constexpr, ACC: tl.constexpr):
+        # B's or C's norm weight and head h's bias (NP,). Read once per chunk, not once per program: a loop-
+        # invariant vector broadcast to a tile would be hoisted out of the chunk loop and hold registers through it.
+        return (tl.load(w_ptr + n, mask=n < N, other=0.0).to(ACC),
+                tl.load(b_ptr + h * N + n, mask=n < N, other=0.0).to(ACC))
+
+    @triton.jit
+    def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
+                   out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor, eps,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   HAS_RESET: tl.constexpr):
+        """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of in_proj's
+        output zxbcdt (B, L, 2HP + 2GN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's B and C; the angles), the
+        parameters and reset (B, L) if any; computes dt, A, the trapezoid, the phases, q and k in registers, runs
+        the scan with the (P, N) state on chip, adds D x, gates with silu(z) and writes out (B, L, H*P). Saves only
+        what the backward cannot recompute from zxbcdt: the state entering each chunk, in DT (the descriptor
+        `states` over (B*H*nc*PP, NP), padded tiles), and the phase entering each chunk (B*H, nc, S)."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        i, p, n, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP), tl.arange(0, NP // 2)
+        dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
+        state = tl.zeros((PP, NP), ACC)
+        carry = tl.zeros((NP // 2,), ACC)
+        col_B = 2 * H * P + (h // (H // G)) * N  # the head's group's B; its C follows G*N columns later
+        for c in range(nc):
+            t, valid, rows, seg, dt, _, _, _, _, _, _, _, A, gamma, w, cs = _mixer_scalars(
+                zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
+            # the phases, and from them k and q (in DT: from here on they only feed dots)
+            tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
+            _, Phi = _phase(rows, valid, 2 * H * P + 2 * G * N + 3 * H, S, j, dt, seg, _one_segment(seg, i), carry, ACC,
+                            HAS_RESET)
+            last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
+            carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the phase entering the next chunk, in [0, 2 pi)
+            cos, sin = tl.cos(Phi), tl.sin(Phi)
+            weight, bias = _norm_weight_bias(Bw_ptr, Bb_ptr, h, n, N, ACC)
+            K = _qk(rows, valid, col_B, n, N, weight, bias, cos, sin, eps, C, NP, ACC)[0].to(DT)
+            weight, bias = _norm_weight_bias(Cw_ptr, Cb_ptr, h, n, N, ACC)
+            Q = _qk(rows, valid, col_B + G * N, n, N, weight, bias, cos, sin, eps, C, NP, ACC)[0].to(DT)
+            # the scan, the D skip and the gate
+            _, _, W, e, _, u, a = _decays(cs, w, gamma, seg, i, C)
+            xz = rows[:, None] + h * P + p[None, :]
+            xz_mask = _in_bounds(valid, p, P, PP)
+            X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
+            states.store([((bh * nc + c) * PP).to(tl.int32), 0], state.to(DT))
+            Y, state = _chunk_forward(Q, K, X, state, W, e, u, a, DT)
+            Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
+            out = (Y + D * X.to(ACC)) * Z * tl.sigmoid(Z)
+            tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=xz_mask)
+
+    @triton.jit
+    def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
+                   dout_ptr, sd_b, sd_l, states, phase_ptr, dzx_ptr, sg_b, sg_l, part_ptr, dparam_ptr,
+                   L, nc, A_floor, eps,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   HAS_RESET: tl.constexpr):
+        """The mixer region backward, one program per (b, h) walking the chunks in reverse with G (the gradient
+        of the state leaving the chunk) and the phase carry's gradient on chip. Reads what _mixer_fwd read, the
+        saved states and phase carries, and dout (B, L, H*P); recomputes the chunk (dt, q, k, y) from zxbcdt.
+        Writes head h's gradient columns of dzxbcdt (z, x, dd_dt, dd_A, trap) and, for what the heads share
+        (B, C within a group, the angles), this head's share to part (B, L, H, 2N + S), summed by _sum_heads;
+        the parameters' gradients as per-(b, h) sums to dparam (B*H, 4N + 2), summed in torch.
+        One token's gradient needs the next chunk: beta_{cC} enters w at the last token of chunk c - 1, so each
+        chunk's first token is written one iteration later (pend_*), when chunk c - 1 has its dw."""
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // H, bh % H
+        i, p, n, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP), tl.arange(0, NP // 2)
+        dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
+        G_state = tl.zeros((PP, NP), ACC)
+        dcarry = tl.zeros((NP // 2,), ACC)
+        zero = tl.zeros_like(dt_bias)
+        pend_dt, pend_lam, d_dt_bias, dD = zero, zero, zero, zero
+        dB_bias, dC_bias = tl.zeros((NP,), ACC), tl.zeros((NP,), ACC)
+        dB_weight, dC_weight = tl.zeros((NP,), ACC), tl.zeros((NP,), ACC)
+        col_dt = 2 * H * P + 2 * G * N
+        col_B = 2 * H * P + (h // (H // G)) * N
+        width = 2 * N + S  # of a row of part
+        for r in range(nc):
+            c = nc - 1 - r
+            t, valid, rows, seg, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, cs = _mixer_scalars(
+                zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
+            same = _one_segment(seg, i)
+            carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
+            th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, dt, seg, same, carry, ACC, HAS_RESET)
+            cos, sin = tl.cos(Phi), tl.sin(Phi)
+            B_weight, bias = _norm_weight_bias(Bw_ptr, Bb_ptr, h, n, N, ACC)
+            K, xBh, rB = _qk(rows, valid, col_B, n, N, B_weight, bias, cos, sin, eps, C, NP, ACC)
+            C_weight, bias = _norm_weight_bias(Cw_ptr, Cb_ptr, h, n, N, ACC)
+            Q, xCh, rC = _qk(rows, valid, col_B + G * N, n, N, C_weight, bias, cos, sin, eps, C, NP, ACC)
+            _, decay, W, e, f, u, a = _decays(cs, w, gamma, seg, i, C)
+            xz_mask = _in_bounds(valid, p, P, PP)
+            xz = rows[:, None] + h * P + p[None, :]
+            X = tl.load(xz + H * P, mask=xz_mask, other=0.0).to(ACC)
+            Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
+            Sin = states.load([((bh * nc + c) * PP).to(tl.int32), 0]).to(ACC)
+            dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :], mask=xz_mask,
+                           other=0.0).to(ACC)
+            # the gate and the D skip: out = (y + D x) * z * sigmoid(z)
+            scores = _dot(Q, tl.trans(K.to(DT)), DT)
+            QS = _dot(Q, tl.trans(Sin.to(DT)), DT)
+            Y = _dot(W * scores, X, DT) + e[:, None] * QS
+            sz = tl.sigmoid(Z)
+            dY = dout * Z * sz
+            dZ = dout * (Y + D * X) * sz * (1.0 + Z * (1.0 - sz))
+            dD += tl.sum(dY * X)
+            dX, dQ, dK, dcs, dw, dg, G_state = _chunk_backward(Q, K, X, dY, scores, QS, Sin, G_state, decay, W, e,
+                                                               f, w, u, a, i, C, DT)
+            g_rows = dzx_ptr + b * sg_b + t * sg_l
+            xz = g_rows[:, None] + h * P + p[None, :]
+            tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            # the phases turn q and k; the last token's phase is also the next chunk's carry. dv_j = the sum of
+            # dPhi_i over i >= j in j's segment (v = theta dt is what the phases add up)
+            dPhi = _turn_rate(dQ, Q, C, NP) + _turn_rate(dK, K, C, NP)
+            dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
+            if HAS_RESET:
+                dv = _dot(tl.trans(same.to(ACC)), dPhi, ACC)
+            else:
+                dv = tl.cumsum(dPhi, 0, reverse=True)
+            dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
+            # B, C and the angles, shared with other heads: this head's share goes to part
+            dk, dBm = _qk_backward(dK, cos, sin, xBh, rB, B_weight, N, C, NP)
+            dq, dCm = _qk_backward(dQ, cos, sin, xCh, rC, C_weight, N, C, NP)
+            dB_bias, dC_bias = dB_bias + tl.sum(dk, 0), dC_bias + tl.sum(dq, 0)
+            dB_weight, dC_weight = dB_weight + tl.sum(dk * xBh, 0), dC_weight + tl.sum(dq * xCh, 0)
+            share = part_ptr + ((b * L + t) * H + h)[:, None] * width
+            nm = _in_bounds(valid, n, N, NP)
+            tl.store(share + n[None, :], dBm.to(part_ptr.dtype.element_ty), mask=nm)
+            tl.store(share + N + n[None, :], dCm.to(part_ptr.dtype.element_ty), mask=nm)
+            dangle = dv * dt[:, None] * _PI * (1.0 - th * th)
+            tl.store(share + 2 * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
+                     mask=valid[:, None] & (j < S)[None, :])
+            # the per-token scalars: log_a = A dt (cs is its running sum), gamma = lam dt, beta = (1 - lam) dt,
+            # theta dt in the phases; w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
+            dla = tl.cumsum(dcs, 0, reverse=True)
+            dgamma = dg + dw
+            dbeta = _shift_down(dw, i)
+            d_dt = dla * A + dgamma * lam + dbeta * (1.0 - lam) + tl.sum(dv * _PI * th, axis=1)
+            dlam = (dgamma - dbeta) * dt
+            d_dd_A = tl.where(fA >= A_floor, -dla * dt * dfA, 0.0)
+            tl.store(g_rows + col_dt + H + h, d_dd_A.to(dzx_ptr.dtype.element_ty), mask=valid)
+            # the next chunk's first token, held back one iteration, now gets its beta term (dw at our last token)
+            dw_last, lam1, dt1 = _last(dw, i, C), _last(lam_n, i, C), _last(dt_n, i, C)
+            t1 = (c + 1) * C
+            d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _last(dsp_n, i, C)
+            d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
+            tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(dzx_ptr.dtype.element_ty), mask=t1 < L)
+            tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + 2 * H + h, d_trap1.to(dzx_ptr.dtype.element_ty),
+                     mask=t1 < L)
+            d_dt_bias += tl.where(t1 < L, d_dd_dt1, 0.0)
+            # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term before token 0)
+            d_dd_dt, d_trap = d_dt * dsp, dlam * lam * (1.0 - lam)
+            done = valid & ((i > 0) | (t < C))  # t < C: chunk 0
+            tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
+            tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
+            d_dt_bias += tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
+            pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
+        # per (b, h): [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight] (N each), d dt_bias, dD
+        row = dparam_ptr + bh * (4 * N + 2)
+        tl.store(row + n, dB_bias, mask=n < N)
+        tl.store(row + N + n, dC_bias, mask=n < N)
+        tl.store(row + 2 * N + n, dB_weight, mask=n < N)
+        tl.store(row + 3 * N + n, dC_weight, mask=n < N)
+        tl.store(row + 4 * N, d_dt_bias)
+        tl.store(row + 4 * N + 1, dD)
+
+    @triton.jit
+    def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                   N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
+                   ACC: tl.constexpr):
+        """dB, dC and dangle, the columns of dzxbcdt that several heads share: the sums of the heads' shares in
+        part (B, L, H, 2N + S) (a group's heads for its B and C, all heads for the angles), in a fixed order so
+        the result is deterministic; grid (B, L / TB)."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * TB + tl.arange(0, TB)
+        nn, ss = tl.arange(0, NB), tl.arange(0, SB)
+        valid = t < L
+        mN, mS = valid[:, None] & (nn < N)[None, :], valid[:, None] & (ss < S)[None, :]
+        width = 2 * N + S
+        shares = part_ptr + ((b * L + t) * H * width)[:, None]
+        g_rows = dzx_ptr + b * sg_b + t[:, None] * sg_l
+        col_B = 2 * H * P
+        dangle = tl.zeros((TB, SB), ACC)
+        for g in range(G):
+            dB, dC = tl.zeros((TB, NB), ACC), tl.zeros((TB, NB), ACC)
+            for k in range(H // G):
+                share = shares + (g * (H // G) + k) * width
+                dB += tl.load(share + nn[None, :], mask=mN, other=0.0).to(ACC)
+                dC += tl.load(share + N + nn[None, :], mask=mN, other=0.0).to(ACC)
+                dangle += tl.load(share + 2 * N + ss[None, :], mask=mS, other=0.0).to(ACC)
+            tl.store(g_rows + col_B + g * N + nn[None, :], dB.to(dzx_ptr.dtype.element_ty), mask=mN)
+            tl.store(g_rows + col_B + (G + g) * N + nn[None, :], dC.to(dzx_ptr.dtype.element_ty), mask=mN)
+        col_ang = 2 * H * P + 2 * G * N + 3 * H
+        tl.store(g_rows + col_ang + ss[None, :], dangle.to(dzx_ptr.dtype.element_ty), mask=mS)
 
 
-def _tile(d):
-    # a power of 2 in [16, 32]: tl.dot needs every side >= 16; the masks cover what a tile overhangs (so any P
-    # and N work; powers of 2 >= 16 waste nothing). Why at most 32: compiled with ptxas for sm_80 and sm_90 at
-    # P=64, N=128, C=64 (8 warps), 64-wide tiles spill registers in the per-chunk kernels, 32-wide ones do not;
-    # the price is recomputing Q K^T or dY X^T once per extra tile, cheap next to the state traffic.
-    return min(32, max(16, 1 << (d - 1).bit_length()))
+def _pow2(d, least=16):
+    # tile sides: powers of 2 (tl.arange) and >= 16 (tl.dot); masks cover what a tile overhangs
+    return max(least, 1 << (d - 1).bit_length())
+
+
+def _tiles(C, P, N, dot_dtype, acc_dtype):
+    """The compile-time constants of a launch. One program holds a (P, N) float32 state (32 KB at 64 x 128, 32
+    registers a thread at 8 warps) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers are what
+    limits these kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the compiler from
+    holding the next chunks' loads in flight (prefetching, with one program per SM either way, cost more
+    spilled registers than it hid latency: see the README's compile figures). Smaller tiles need fewer warps."""
+    PP, NP = _pow2(P), _pow2(N)
+    return dict(C=C, PP=PP, NP=NP, DT=_TL_DTYPE[dot_dtype], ACC=_TL_DTYPE[acc_dtype],
+                num_warps=8 if C * max(PP, NP) >= 64 * 64 else 4, num_stages=1)
+
+
+def _state_tiles(BH, nc, tiles, dtype, device):
+    """The saved per-chunk states, (B*H, nc, PP, NP) padded to whole tiles, and a descriptor that moves one
+    (PP, NP) tile per load or store. The state lives in the matmul's register layout, and a per-element pointer
+    store from there holds ~100 more registers a thread than the descriptor's copy through shared memory (a TMA
+    copy on Hopper)."""
+    states = torch.empty(BH, nc, tiles["PP"], tiles["NP"], dtype=dtype, device=device)
+    return states, _descriptor(states, tiles)
+
+
+def _descriptor(states, tiles):
+    return TensorDescriptor.from_tensor(states.view(-1, tiles["NP"]), [tiles["PP"], tiles["NP"]])
 
 
 def _strided(t):
@@ -456,15 +876,31 @@ def _strided(t):
     return (t, *t.stride()[:3])
 
 
+def _reset_bytes(reset):
+    return None if reset is None else reset.contiguous().view(torch.uint8)
+
+
+def _launchable(x, what):
+    if triton is None:
+        raise RuntimeError(f"{what}: impl='triton' needs Triton, which does not import here (it ships for Linux); "
+                           "use impl='torch'")
+    if not x.is_cuda and not _INTERPRETED:
+        raise RuntimeError(f"{what}: impl='triton' on CPU tensors runs only through Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported, or use impl='torch'")
+
+
+def _check_chunk_size(C, what):
+    if not isinstance(C, int) or C < 16 or C & (C - 1):
+        raise ValueError(f"{what}: impl='triton' needs chunk_size a power of 2 >= 16 (tl.dot's minimum), got {C}")
+
+
 class TritonScan(torch.autograd.Function):
-    """ChunkedScan's equations as Triton kernels. x (B, L, H, P), q, k (B, L, H, N) in their own dtype and
-    layout; cs, w, g (B*H, nc, C) and Sin0 (B*H, P, N) in the accumulation dtype. Launches, in order:
-        forward:  _chunk_state (dS_c), _state_fwd (Sin_c, final S), _chunk_output (Y)
-        backward: _chunk_state on (dY, Q) (dSin_c), _state_bwd (G_c, dSin0, da_c),
-                  _chunk_bwd_dx (dX, dcs, dw, dgamma), _chunk_bwd_dqk (dQ, dK)"""
+    """ChunkedScan's equations through _scan_fwd / _scan_bwd. x (B, L, H, P), q, k (B, L, H, N) in their own
+    dtype and layout; cs, w, g (B*H, nc, C) and Sin0 (B*H, P, N) in the accumulation dtype; reset (B, L) or None.
+    One launch forward, one backward."""
 
     @staticmethod
-    def forward(ctx, x, q, k, cs, w, g, Sin0):
+    def forward(ctx, x, q, k, cs, w, g, Sin0, reset):
         # the kernels index these as dense arrays (a reshape can hand back a strided view, e.g. when B = 1)
         cs, w, g, Sin0 = cs.contiguous(), w.contiguous(), g.contiguous(), Sin0.contiguous()
         B, L, H, P = x.shape
@@ -473,64 +909,40 @@ class TritonScan(torch.autograd.Function):
         # one operand dtype for every dot: the inputs' common dtype (float64 all through for the oracle tests)
         dot_dtype = torch.float64 if cs.dtype == torch.float64 else torch.promote_types(
             torch.promote_types(x.dtype, q.dtype), k.dtype)
-        # the per-chunk kernels hold several (C, C) blocks: 8 warps share them at C = 64
-        ctx.meta = meta = dict(C=C, BP=_tile(P), BN=_tile(N), DT=_TL_DTYPE[dot_dtype], ACC=_TL_DTYPE[cs.dtype],
-                               num_warps=8 if C >= 64 else 4)
-        ctx.block = block = min(1024, 1 << (P * N - 1).bit_length())  # state-passing tile of the flat (P, N)
-        dims = (L, H, P, N, nc)
-        xs, qs, ks = _strided(x), _strided(q), _strided(k)
+        ctx.meta = meta = _tiles(C, P, N, dot_dtype, cs.dtype)
+        reset = _reset_bytes(reset)
         with torch.cuda.device(x.device.index if x.is_cuda else -1):  # launch on x's GPU (-1: no-op)
-            states = cs.new_empty(BH, nc, P, N)  # dS_c, then Sin_c
-            _chunk_state[(BH * nc, triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"]))](
-                *xs, *ks, cs, w, states, *dims, C=C, BP=meta["BP"], BN=meta["BN"], DT=meta["DT"], BACKWARD=False)
+            states, states_desc = _state_tiles(BH, nc, meta, dot_dtype, x.device)
             S = torch.empty_like(Sin0)
-            _state_fwd[(BH, triton.cdiv(P * N, block))](states, cs, Sin0, S, nc, P * N, C=C, BLOCK=block)
             y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            _chunk_output[(BH * nc, triton.cdiv(P, meta["BP"]))](*xs, *qs, *ks, *_strided(y), cs, w, g, states,
-                                                                 *dims, **meta)
-        ctx.save_for_backward(x, q, k, cs, w, g, states)
+            _scan_fwd[(BH,)](*_strided(x), *_strided(q), *_strided(k), *_strided(y), cs, w, g, reset, Sin0,
+                             states_desc, S, L, nc, H=H, P=P, N=N, HAS_RESET=reset is not None, **meta)
+        ctx.save_for_backward(x, q, k, cs, w, g, states, reset)
         return y, S
 
     @staticmethod
     def backward(ctx, dy, dS):
-        x, q, k, cs, w, g, Sin = ctx.saved_tensors
-        meta, block = ctx.meta, ctx.block
+        x, q, k, cs, w, g, states, reset = ctx.saved_tensors
         B, L, H, P = x.shape
         N = q.shape[-1]
         BH, nc, C = cs.shape
-        dims = (L, H, P, N, nc)
-        xs, qs, ks, dys = _strided(x), _strided(q), _strided(k), _strided(dy)
-        n_p, n_n, n_s = triton.cdiv(P, meta["BP"]), triton.cdiv(N, meta["BN"]), triton.cdiv(P * N, block)
         with torch.cuda.device(x.device.index if x.is_cuda else -1):
-            G = cs.new_empty(BH, nc, P, N)  # dSin_c, then the gradient of the state leaving chunk c
-            _chunk_state[(BH * nc, n_p, n_n)](*dys, *qs, cs, w, G, *dims, C=C, BP=meta["BP"], BN=meta["BN"],
-                                              DT=meta["DT"], BACKWARD=True)
-            dSin0, da = torch.empty_like(dS), cs.new_empty(BH * nc, n_s)
-            _state_bwd[(BH, n_s)](G, Sin, cs, dS.contiguous(), dSin0, da, nc, P * N, C=C, BLOCK=block)
             dx, dq, dk = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, q, k))
-            dcs, dw, dg = (cs.new_empty(n_p, BH * nc, C) for _ in range(3))  # shares of the P tiles
-            _chunk_bwd_dx[(BH * nc, n_p)](*xs, *qs, *ks, *dys, *_strided(dx), cs, w, g, Sin, G, dcs, dw, dg,
-                                          *dims, **meta)
-            _chunk_bwd_dqk[(BH * nc, n_n)](*xs, *qs, *ks, *dys, *_strided(dq), *_strided(dk), cs, w, g, Sin, G,
-                                           *dims, **meta)
-        dcs = dcs.sum(0)
-        dcs[:, -1] += da.sum(-1)  # each chunk's total decay exp(cs_last)
-        return dx, dq, dk, dcs.view(BH, nc, C), dw.sum(0).view(BH, nc, C), dg.sum(0).view(BH, nc, C), dSin0
+            dcs, dw, dg = torch.empty_like(cs), torch.empty_like(cs), torch.empty_like(cs)
+            dSin0 = torch.empty_like(dS)
+            _scan_bwd[(BH,)](*_strided(x), *_strided(q), *_strided(k), *_strided(dy), dx, dq, dk, cs, w, g, reset,
+                             _descriptor(states, ctx.meta), dS.contiguous(), dcs, dw, dg, dSin0, L, nc, H=H, P=P, N=N,
+                             HAS_RESET=reset is not None, **ctx.meta)
+        return dx, dq, dk, dcs, dw, dg, dSin0, None
 
 
-def ssd_triton(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
-    """The chunked form of MAMBA3.md §2 through the Triton kernels above (CUDA tensors, or CPU tensors under
-    TRITON_INTERPRET=1). The glue here is on (B, L, H) scalars only: w, the in-chunk cumsum cs and the state
-    entering the first chunk; autograd carries their gradients back to log_a, gamma, beta and the state."""
-    if triton is None:
-        raise RuntimeError("ssd: impl='triton' needs Triton, which does not import here (it ships for Linux); "
-                           "use impl='torch'")
-    if not x.is_cuda and not _INTERPRETED:
-        raise RuntimeError("ssd: impl='triton' on CPU tensors runs only through Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use impl='torch'")
+def ssd_triton(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
+    """The chunked form through the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The
+    glue here is on (B, L, H) scalars only: w, the in-chunk cumsum cs and the state entering the first chunk;
+    autograd carries their gradients back to log_a, gamma, beta and the state."""
+    _launchable(x, "ssd")
     C = chunk_size
-    if C < 16 or C & (C - 1):
-        raise ValueError(f"ssd: impl='triton' needs chunk_size a power of 2 >= 16 (tl.dot's minimum), got {C}")
+    _check_chunk_size(C, "ssd")
     B, L, H, P = x.shape
     N = q.shape[-1]
     nc = -(-L // C)
@@ -543,8 +955,138 @@ def ssd_triton(x, q, k, log_a, gamma, beta, state=None, chunk_size=64):
             return t.view(B, nc, C, H).permute(0, 3, 1, 2).reshape(B * H, nc, C)
 
         cs = per_chunk(log_a).cumsum(-1)  # (B*H, nc, C), <= 0 and decreasing inside each chunk
-        y, S = TritonScan.apply(x, q, k, cs, per_chunk(w), per_chunk(gamma), Sin0.reshape(B * H, P, N))
+        y, S = TritonScan.apply(x, q, k, cs, per_chunk(w), per_chunk(gamma), Sin0.reshape(B * H, P, N), reset)
     return y, _final_state(S.view(B, H, P, N), x, k)
+
+
+def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size):
+    """(B, L, H, P, G, N, S, C), after checking that zxbcdt and the parameters fit together and the kernels."""
+    H, N = B_bias.shape
+    P, G, S, C = headdim, ngroups, n_angles, chunk_size
+    _check_chunk_size(C, "mixer")
+    if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != sum(split_sizes(H, P, G, N, S)):
+        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2GN + 3H + S) = (B, L, "
+                         f"{sum(split_sizes(H, P, G, N, S))}) with L >= 1 for H={H}, P={P}, G={G}, N={N}, S={S}; "
+                         f"got {tuple(zxbcdt.shape)}")
+    if H % G or N % 2 or 2 * S > N:
+        raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even and n_angles <= "
+                         f"d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
+    if zxbcdt.dtype not in _TL_DTYPE:
+        raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or float64, "
+                         f"got {zxbcdt.dtype}")
+    return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C
+
+
+def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
+                   n_angles, chunk_size, A_floor, eps):
+    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, P, N), phase (B*H, nc, S))."""
+    Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
+    nc = -(-L // C)
+    acc = _compute_dtype(zxbcdt)
+    tiles = _tiles(C, P, N, zxbcdt.dtype, acc)
+    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
+        out = zx.new_empty(Bsz, L, H * P)
+        states, states_desc = _state_tiles(Bsz * H, nc, tiles, zx.dtype, zx.device)
+        phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
+        _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
+                               C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, out, out.stride(0),
+                               out.stride(1), states_desc, phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
+                               HAS_RESET=reset is not None, **tiles)
+    return out, states, phase
+
+
+def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states, phase,
+                    headdim, ngroups, n_angles, chunk_size, A_floor, eps):
+    """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight, d B_bias,
+    d C_bias, d D); the parameters' per-(b, h) sums are added up here."""
+    Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
+    nc = -(-L // C)
+    acc = _compute_dtype(zxbcdt)
+    tiles = _tiles(C, P, N, zxbcdt.dtype, acc)
+    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
+        dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
+        part = zx.new_empty(Bsz, L, H, 2 * N + S)
+        dparam = zx.new_empty(Bsz * H, 4 * N + 2, dtype=acc)
+        _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
+                               C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
+                               dout.stride(1), _descriptor(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
+                               part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
+                               HAS_RESET=reset is not None, **tiles)
+        TB = 32
+        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
+                                             TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
+    dparam = dparam.view(Bsz, H, 4 * N + 2).sum(0)  # (H, 4N + 2)
+    grads = (dparam[:, 4 * N], dparam[:, 2 * N:3 * N].sum(0), dparam[:, 3 * N:4 * N].sum(0), dparam[:, :N],
+             dparam[:, N:2 * N], dparam[:, 4 * N + 1])
+    params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
+    return (dzx, *(g.to(p.dtype, copy=True) for g, p in zip(grads, params)))  # copies: outputs may not alias
+
+
+if triton is not None:
+    # The fused region as two custom ops (forward, backward) with fake implementations and an autograd formula,
+    # so that torch.compile treats the Triton launches as opaque calls with known output shapes.
+
+    @torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
+    def _mixer_fwd_op(zxbcdt: torch.Tensor, dt_bias: torch.Tensor, B_norm_weight: torch.Tensor,
+                      C_norm_weight: torch.Tensor, B_bias: torch.Tensor, C_bias: torch.Tensor, D: torch.Tensor,
+                      reset: Optional[torch.Tensor], headdim: int, ngroups: int, n_angles: int, chunk_size: int,
+                      A_floor: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
+                              ngroups, n_angles, chunk_size, A_floor, eps)
+
+    @_mixer_fwd_op.register_fake
+    def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups, n_angles,
+          chunk_size, A_floor, eps):
+        Bsz, L, _ = zxbcdt.shape
+        H, N = B_bias.shape
+        nc = -(-L // chunk_size)
+        return (zxbcdt.new_empty(Bsz, L, H * headdim), zxbcdt.new_empty(Bsz * H, nc, _pow2(headdim), _pow2(N)),
+                zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
+
+    @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
+    def _mixer_bwd_op(dout: torch.Tensor, zxbcdt: torch.Tensor, dt_bias: torch.Tensor, B_norm_weight: torch.Tensor,
+                      C_norm_weight: torch.Tensor, B_bias: torch.Tensor, C_bias: torch.Tensor, D: torch.Tensor,
+                      reset: Optional[torch.Tensor], states: torch.Tensor, phase: torch.Tensor, headdim: int,
+                      ngroups: int, n_angles: int, chunk_size: int, A_floor: float,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor]:
+        return _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
+                               states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps)
+
+    @_mixer_bwd_op.register_fake
+    def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states, phase, headdim,
+          ngroups, n_angles, chunk_size, A_floor, eps):
+        return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format), torch.empty_like(dt_bias),
+                torch.empty_like(B_norm_weight), torch.empty_like(C_norm_weight), torch.empty_like(B_bias),
+                torch.empty_like(C_bias), torch.empty_like(D))
+
+    def _mixer_setup_context(ctx, inputs, output):
+        *tensors, reset = inputs[:8]
+        ctx.sizes = inputs[8:]
+        _, states, phase = output
+        ctx.mark_non_differentiable(states, phase)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: nothing reads them
+        ctx.save_for_backward(*tensors, reset, states, phase)
+
+    def _mixer_grad(ctx, dout, _dstates, _dphase):
+        grads = _mixer_bwd_op(dout, *ctx.saved_tensors, *ctx.sizes)
+        return (*grads, None, None, None, None, None, None, None)
+
+    _mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
+
+
+def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim, ngroups, n_angles,
+                 chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None):
+    """mixer_torch's region (without a decoding state) as three Triton launches: _mixer_fwd forward, _mixer_bwd
+    and _sum_heads backward, through the custom op mamba3::mixer_fwd. Returns out (B, L, H*P)."""
+    _launchable(zxbcdt, "mixer")
+    _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
+    _check_reset(reset, zxbcdt.shape[0], zxbcdt.shape[1], "mixer")
+    return _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
+                         n_angles, chunk_size, float(A_floor), float(eps))[0]
 
 
 # -----------------------------------------------------------------------------
@@ -556,22 +1098,42 @@ def triton_available():
     return triton is not None
 
 
-def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto"):
+def _resolve(impl, x):
+    if impl == "auto":
+        impl = os.environ.get("MAMBA3_IMPL") or ("triton" if x.is_cuda and triton_available() else "torch")
+    if impl not in IMPLS[1:]:
+        raise ValueError(f"impl must be one of {IMPLS} (or MAMBA3_IMPL one of {IMPLS[1:]}), got {impl!r}")
+    return impl
+
+
+def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
     """The Mamba-3 scan. Returns y (B, L, H, P) in x's dtype and the final state (S, k_prev, x_prev).
 
     impl: "recurrent" (the oracle), "torch" (chunked, autograd), "triton" (fused kernels), or "auto":
     Triton for CUDA tensors when it imports, else torch. The environment variable MAMBA3_IMPL overrides
-    "auto" (handy to A/B the paths without touching code)."""
-    if impl == "auto":
-        impl = os.environ.get("MAMBA3_IMPL") or ("triton" if x.is_cuda and triton_available() else "torch")
-    if impl not in IMPLS[1:]:
-        raise ValueError(f"ssd: impl must be one of {IMPLS} (or MAMBA3_IMPL one of {IMPLS[1:]}), got {impl!r}")
+    "auto" (handy to A/B the paths without touching code). reset (B, L) bool: the state entering a marked
+    position is zero (a document starts there)."""
+    impl = _resolve(impl, x)
     _check_shapes(x, q, k, log_a, gamma, beta)
+    _check_reset(reset, x.shape[0], x.shape[1], "ssd")
     if impl == "recurrent":
-        return ssd_recurrent(x, q, k, log_a, gamma, beta, state)
+        return ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset)
     if impl == "triton":
-        return ssd_triton(x, q, k, log_a, gamma, beta, state, chunk_size)
-    return ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size)
+        return ssd_triton(x, q, k, log_a, gamma, beta, state, chunk_size, reset)
+    return ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size, reset)
+
+
+def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim, ngroups, n_angles,
+          chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None, impl="auto"):
+    """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state). The fused Triton path
+    when impl resolves to "triton" and no decoding state is given; otherwise mixer_torch with the scan's impl
+    (a decoding state (Phi, S, k_prev, x_prev) goes in and the one after the last token comes out; else None)."""
+    impl = _resolve(impl, zxbcdt)
+    kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size, A_floor=A_floor, eps=eps,
+              reset=reset)
+    if impl == "triton" and state is None:
+        return mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, **kw), None
+    return mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, state=state, impl=impl, **kw)
 
 
 def _check_shapes(x, q, k, log_a, gamma, beta):
@@ -583,3 +1145,9 @@ def _check_shapes(x, q, k, log_a, gamma, beta):
     for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
         if t.shape != (B, L, H):
             raise ValueError(f"ssd: {name} must be (B, L, H) = {(B, L, H)}, got {tuple(t.shape)}")
+
+
+def _check_reset(reset, B, L, what):
+    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, L)):
+        raise ValueError(f"{what}: reset must be a (B, L) = {(B, L)} bool tensor, got {reset.dtype} "
+                         f"{tuple(reset.shape)}")

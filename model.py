@@ -8,6 +8,7 @@ lives in kernels.py.
 """
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,7 @@ class ModelConfig:
     dt_max: float = 1e-1
     dt_init_floor: float = 1e-4
     norm_eps: float = 1e-5
+    reset_token: Optional[int] = None  # the state resets after this token (a document's EOS); None: never
 
     def __post_init__(self):
         if self.d_inner % self.headdim:
@@ -72,30 +74,16 @@ PRESETS = {
 }
 
 
-def _f32(t):
-    # dt, A, the angles and the phases are computed in float32 (or float64 when the whole model is)
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def rotate(v, phi):
-    """Rotate adjacent pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest passes."""
-    S = phi.shape[-1]
-    v0, v1, rest = v[..., 0:2 * S:2], v[..., 1:2 * S:2], v[..., 2 * S:]
-    cos, sin = phi.cos(), phi.sin()
-    rotated = torch.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], dim=-1).flatten(-2)
-    return torch.cat([rotated, rest], dim=-1)
-
-
 class Mamba3Mixer(nn.Module):
-    """One Mamba-3 SISO layer (MAMBA3.md §1): in_proj, data-dependent dt / A / trapezoid / rotary angles, the
-    scan, the D skip, the silu(z) gate and out_proj."""
+    """One Mamba-3 SISO layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary angles, the
+    scan, the D skip and the silu(z) gate: kernels.mixer) and out_proj."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         H, N, G, S = cfg.n_heads, cfg.d_state, cfg.ngroups, cfg.n_angles
         # z | x | B | C | dd_dt | dd_A | trap | angle
-        self.split = [cfg.d_inner, cfg.d_inner, G * N, G * N, H, H, H, S]
+        self.split = kernels.split_sizes(H, cfg.headdim, G, N, S)
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=False)
         # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales across heads
         dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max))).clamp(min=cfg.dt_init_floor)
@@ -107,42 +95,24 @@ class Mamba3Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(H))
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=False)
 
-    def forward(self, u, cache=None, impl="auto"):
-        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache) the scan starts
-        from the cached state and leaves its final state there: prefill, and the decode step with L = 1."""
+    def forward(self, u, cache=None, impl="auto", reset=None):
+        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache) the region starts
+        from the cached state and leaves its final state there: prefill, and the decode step with L = 1.
+        reset (B, L) bool: positions where a document starts (nothing before them reaches them)."""
+        return self.out_proj(self.region(self.in_proj(u), cache, impl, reset))
+
+    def region(self, zxbcdt, cache=None, impl="auto", reset=None):
+        """in_proj's output -> out_proj's input (B, L, d_inner), in zxbcdt's dtype."""
         cfg = self.cfg
-        Bsz, L, _ = u.shape
-        H, P, N, G = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups
-        z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(self.in_proj(u), self.split, dim=-1)
-
-        dt = F.softplus(_f32(dd_dt) + self.dt_bias)  # (B, L, H)
-        dd_A = _f32(dd_A)
-        # A = -max(f(dd_A), A_floor) with the heavy-tailed f(u) = 1 + u (u >= 0), 1 / (1 - u) (u < 0)
-        f = torch.where(dd_A >= 0, 1 + dd_A, 1 / (1 - dd_A.clamp(max=0)))
-        log_a = -f.clamp(min=cfg.A_floor) * dt  # (B, L, H), < 0
-        lam = torch.sigmoid(_f32(trap))
-        gamma, beta = lam * dt, (1 - lam) * dt
-        # data-dependent rotary phases, accumulated per head: Phi_t = (Phi_{t-1} + theta_t dt_t) mod 2 pi
-        theta = math.pi * torch.tanh(_f32(angle))  # (B, L, S)
-        phi = torch.cumsum(theta[:, :, None, :] * dt[..., None], dim=1)  # (B, L, H, S)
-        if cache is not None:
-            phi = phi + cache["phi"][:, None]
-        phi = torch.remainder(phi, 2 * math.pi)
-
-        # B and C: RMS-normalised per group, shared by the group's heads, plus per-head biases, then rotated
-        Bn = F.rms_norm(Bm.view(Bsz, L, G, N), (N,), self.B_norm_weight, cfg.norm_eps).repeat_interleave(H // G, dim=2)
-        Cn = F.rms_norm(Cm.view(Bsz, L, G, N), (N,), self.C_norm_weight, cfg.norm_eps).repeat_interleave(H // G, dim=2)
-        k = rotate(_f32(Bn + self.B_bias), phi).to(x.dtype)  # (B, L, H, N)
-        q = rotate(_f32(Cn + self.C_bias), phi).to(x.dtype)
-        x = x.view(Bsz, L, H, P)
-
-        state = None if cache is None else (cache["S"], cache["k_prev"], cache["x_prev"])
-        y, (S, k_prev, x_prev) = kernels.ssd(x, q, k, log_a, gamma, beta, state, cfg.chunk_size, impl)
+        state = None if cache is None else (cache["phi"], cache["S"], cache["k_prev"], cache["x_prev"])
+        out, state = kernels.mixer(zxbcdt, self.dt_bias, self.B_norm_weight, self.C_norm_weight, self.B_bias,
+                                   self.C_bias, self.D, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                                   n_angles=cfg.n_angles, chunk_size=cfg.chunk_size, A_floor=cfg.A_floor,
+                                   eps=cfg.norm_eps, reset=reset, state=state, impl=impl)
         if cache is not None:  # in place, so the caller's cache object moves forward
-            for name, value in (("phi", phi[:, -1]), ("S", S), ("k_prev", k_prev), ("x_prev", x_prev)):
+            for name, value in zip(("phi", "S", "k_prev", "x_prev"), state):
                 cache[name].copy_(value)
-        y = y + self.D[:, None].to(y.dtype) * x
-        return self.out_proj((y.reshape(Bsz, L, -1) * F.silu(z)).to(u.dtype))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -176,8 +146,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
         self.mlp = SwiGLU(cfg) if cfg.mlp_hidden else None
 
-    def forward(self, h, cache=None, impl="auto"):
-        h = h + self.mixer(self.norm1(h), cache, impl)
+    def forward(self, h, cache=None, impl="auto", reset=None):
+        h = h + self.mixer(self.norm1(h), cache, impl, reset)
         if self.mlp is not None:
             h = h + self.mlp(self.norm2(h))
         return h
@@ -226,15 +196,24 @@ class Mamba3LM(nn.Module):
         scan = cfg.n_layer * cfg.n_heads * (2 * C * (N + P) + 4 * P * N)
         return 6 * matmul_params + 3 * scan
 
+    def resets(self, idx):
+        """(B, L) bool: True where the previous token is reset_token (a document starts there); None when the
+        config has no reset_token. Position 0 is never marked: a cached call that follows a reset_token starts
+        from a cache that was already cleared (see _clear_after_reset)."""
+        if self.config.reset_token is None:
+            return None
+        return F.pad(idx[:, :-1] == self.config.reset_token, (1, 0))
+
     def hidden(self, idx, cache=None, impl="auto"):
         """idx (B, L) -> final-normed hidden states (B, L, d_model)."""
         h = self.embed(idx)
+        reset = self.resets(idx)
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[i]
             if self.grad_checkpointing and torch.is_grad_enabled() and cache is None:
-                h = checkpoint(block, h, use_reentrant=False)
+                h = checkpoint(block, h, None, impl, reset, use_reentrant=False)
             else:
-                h = block(h, layer_cache, impl)
+                h = block(h, layer_cache, impl, reset)
         return self.norm_f(h)
 
     def logits(self, h):
@@ -262,15 +241,27 @@ class Mamba3LM(nn.Module):
                      k_prev=torch.zeros(B, H, N, dtype=p.dtype, device=p.device),
                      x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device)) for _ in range(cfg.n_layer)]
 
+    def _clear_after_reset(self, last, cache):
+        # a sequence whose last consumed token is reset_token continues as a fresh document: zero its cache rows
+        if self.config.reset_token is not None:
+            done = last == self.config.reset_token  # (B,)
+            for layer in cache:
+                for t in layer.values():
+                    t.masked_fill_(done.view(-1, *(1,) * (t.dim() - 1)), 0)
+
     @torch.no_grad()
     def prefill(self, idx, cache):
         """Run idx (B, L) through the chunked scan from the cache's state; returns the last position's logits."""
-        return self.logits(self.hidden(idx, cache)[:, -1])
+        logits = self.logits(self.hidden(idx, cache)[:, -1])
+        self._clear_after_reset(idx[:, -1], cache)
+        return logits
 
     @torch.no_grad()
     def step(self, tokens, cache):
         """One token per sequence, tokens (B,) -> logits (B, vocab_size); O(1) work, the cache updated in place."""
-        return self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
+        logits = self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
+        self._clear_after_reset(tokens, cache)
+        return logits
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

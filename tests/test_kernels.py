@@ -167,3 +167,105 @@ def test_shapes_and_impl_are_checked(monkeypatch):
     y_env, _ = ssd(*inputs)
     y_rec, _ = ssd(*inputs, impl="recurrent")
     assert torch.equal(y_env, y_rec)
+
+
+# --- document-boundary resets ---
+
+# Packed windows with documents that start: at the first token of a chunk (16), at the last (31), two tokens in
+# a row (32, 33: a one-token document between them) and at t = 0 over an initial state (row 1), with C = 16.
+STARTS = [[16, 31, 32, 33], [0, 47]]
+
+
+def resets(B, L, starts=STARTS):
+    reset = torch.zeros(B, L, dtype=torch.bool)
+    for b, row in enumerate(starts):
+        reset[b, row] = True
+    return reset
+
+
+def documents(row, L):
+    """[(start, end)] of the documents in row b of STARTS."""
+    cuts = [0] + [s for s in row if s > 0] + [L]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def run_packed_and_alone(impl, inputs, state, dy, dS, chunk_size=16):
+    """Outputs and gradients of sum(y dy) + sum(S dS) for the packed rows (with resets), and the same quantities
+    assembled from every document run on its own (the first from the initial state unless row b resets at 0)."""
+    B, L = inputs[0].shape[:2]
+    leaves = [t.clone().requires_grad_() for t in inputs + state]
+    y, (S, _, _) = ssd(*leaves[:6], state=tuple(leaves[6:]), chunk_size=chunk_size, impl=impl,
+                       reset=resets(B, L))
+    ((y * dy).sum() + (S * dS).sum()).backward()
+    packed = [y.detach(), S.detach()] + [t.grad for t in leaves]
+
+    alone = [torch.zeros_like(t) for t in packed]
+    for b, row in enumerate(STARTS):
+        for start, end in documents(row, L):
+            pieces = [t[b:b + 1, start:end].clone().requires_grad_() for t in inputs]
+            first_with_state = start == 0 and 0 not in row
+            st = [t[b:b + 1].clone().requires_grad_() for t in state] if first_with_state else None
+            yd, (Sd, _, _) = ssd(*pieces, state=tuple(st) if st else None, chunk_size=chunk_size, impl=impl)
+            last = end == L
+            loss = (yd * dy[b:b + 1, start:end]).sum() + ((Sd * dS[b:b + 1]).sum() if last else 0)
+            loss.backward()
+            alone[0][b, start:end] = yd.detach()[0]
+            if last:
+                alone[1][b] = Sd.detach()[0]
+            for k, piece in enumerate(pieces):
+                alone[2 + k][b, start:end] = piece.grad[0]
+            if st:
+                for k, s in enumerate(st):
+                    alone[8 + k][b] = s.grad[0]
+    return packed, alone
+
+
+NAMES = ["y", "S", "x", "q", "k", "log_a", "gamma", "beta", "S0", "k_prev", "x_prev"]
+
+
+@pytest.mark.parametrize("impl", ["recurrent", "torch"])
+def test_packed_window_equals_documents_run_alone(impl):
+    B, H, P, N, L = 2, 2, 5, 4, 53
+    inputs = make_inputs(B, L, H, P, N)
+    state = make_state(B, H, P, N)
+    g = torch.Generator().manual_seed(7)
+    dy, dS = torch.randn(B, L, H, P, generator=g, dtype=F64), torch.randn(B, H, P, N, generator=g, dtype=F64)
+    packed, alone = run_packed_and_alone(impl, inputs, state, dy, dS)
+    for name, a, b in zip(NAMES, packed, alone):
+        assert (a - b).abs().max() <= 1e-10, name
+    assert packed[8][1].abs().max() == 0  # row 1 resets at t = 0: its initial state reaches nothing
+
+
+def test_resets_reach_the_chunked_path_as_in_the_recurrence():
+    # many resets at random, chunk sizes that do and do not divide L, against the recurrence
+    B, H, P, N, L = 2, 3, 4, 4, 45
+    inputs = make_inputs(B, L, H, P, N)
+    state = make_state(B, H, P, N)
+    reset = torch.rand(B, L, generator=torch.Generator().manual_seed(3)) < 0.2
+    y_rec, (S_rec, _, _) = ssd(*inputs, state=state, impl="recurrent", reset=reset)
+    for C in (16, 32, 64):
+        y, (S, _, _) = ssd(*inputs, state=state, chunk_size=C, impl="torch", reset=reset)
+        assert (y - y_rec).abs().max() <= 1e-10 and (S - S_rec).abs().max() <= 1e-10
+
+
+def test_phases_restart_at_resets():
+    v = torch.rand(2, 9, 3, dtype=F64)
+    phi0 = torch.rand(2, 3, dtype=F64)
+    reset = torch.zeros(2, 9, dtype=torch.bool)
+    reset[0, [0, 4, 5]] = True
+    phi = kernels.phases(v, reset, phi0)
+    expected = torch.empty_like(v)
+    for b in range(2):
+        run = phi0[b].clone()
+        for t in range(9):
+            run = v[b, t] if reset[b, t] else run + v[b, t]
+            expected[b, t] = run
+    assert torch.allclose(phi, expected, rtol=0, atol=1e-12)
+
+
+def test_reset_must_be_a_bool_B_by_L_tensor():
+    inputs = make_inputs(2, 6, 2, 3, 4)
+    with pytest.raises(ValueError, match="reset"):
+        ssd(*inputs, reset=torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="reset"):
+        ssd(*inputs, reset=torch.zeros(2, 5, dtype=torch.bool))

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from model import PRESETS, Mamba3LM, ModelConfig, rotate
+from kernels import rotate
+from model import PRESETS, Mamba3LM, ModelConfig
 
 
 def tiny(vocab_size=100, **kw):
@@ -162,3 +163,84 @@ def test_tiny_memorises_a_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[0] > 3.5 and losses[-1] < 0.1 * losses[0]
+
+
+# --- document-boundary resets (reset_token) ---
+
+EOS = 3
+
+
+def packed_ids(B=2, L=40, seed=0):
+    """Token ids in [4, 100) with EOS placed so that documents start at a chunk's first token (16), its last (31)
+    and right after another EOS (32) in row 0, and near the end in row 1 (chunk size 16)."""
+    idx = torch.randint(4, 100, (B, L), generator=torch.Generator().manual_seed(seed))
+    idx[0, [15, 30, 31]] = EOS
+    idx[1, 38] = EOS
+    return idx
+
+
+def test_reset_token_is_a_config_field_off_by_default():
+    assert ModelConfig().reset_token is None
+    assert dataclasses.asdict(dataclasses.replace(PRESETS["tiny"], reset_token=EOS))["reset_token"] == EOS
+    model = tiny(reset_token=EOS)
+    reset = model.resets(packed_ids())
+    assert reset.dtype == torch.bool and not reset[:, 0].any()
+    assert reset[0].nonzero().flatten().tolist() == [16, 31, 32] and reset[1].nonzero().flatten().tolist() == [39]
+    assert tiny().resets(packed_ids()) is None
+
+
+def test_packed_documents_equal_documents_run_alone():
+    model = tiny(reset_token=EOS).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    for b in range(2):
+        ends = (idx[b] == EOS).nonzero().flatten().tolist()
+        for start, end in zip([0] + [e + 1 for e in ends], [e + 1 for e in ends] + [idx.shape[1]]):
+            alone, _ = model(idx[b:b + 1, start:end])
+            assert (alone[0] - logits[b, start:end]).abs().max() <= 1e-10, (b, start, end)
+    plain, _ = tiny().double().eval()(idx)  # without reset_token the documents do see each other
+    assert (plain[0, 16:] - logits[0, 16:]).abs().max() > 1e-3
+
+
+def test_stepwise_decoding_with_eos_reproduces_the_parallel_forward():
+    model = tiny(reset_token=EOS).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    cache = model.init_cache(2)
+    stepped = torch.stack([model.step(idx[:, t], cache) for t in range(idx.shape[1])], dim=1)
+    assert (stepped - logits).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("split", [16, 31, 33])
+def test_prefill_across_eos_then_step(split):
+    model = tiny(reset_token=EOS).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    cache = model.init_cache(2)
+    assert (model.prefill(idx[:, :split], cache) - logits[:, split - 1]).abs().max() <= 1e-10
+    for t in range(split, idx.shape[1]):
+        assert (model.step(idx[:, t], cache) - logits[:, t]).abs().max() <= 1e-10
+
+
+def test_generation_after_eos_equals_generation_from_scratch():
+    model = tiny(reset_token=EOS).double().eval()
+    g = torch.Generator().manual_seed(1)
+    before, prompt = torch.randint(4, 100, (2, 9), generator=g), torch.randint(4, 100, (2, 4), generator=g)
+    packed = torch.cat([before, torch.full((2, 1), EOS), prompt], dim=1)
+    after_eos = model.generate(packed, 8, temperature=0)[:, -8:]
+    assert torch.equal(after_eos, model.generate(prompt, 8, temperature=0)[:, -8:])
+    # a prompt that ends with EOS leaves a cleared cache: the next token is scored as a document's first
+    cache, fresh = model.init_cache(2), model.init_cache(2)
+    model.prefill(torch.cat([before, torch.full((2, 1), EOS)], dim=1), cache)
+    assert (model.step(prompt[:, 0], cache) - model.step(prompt[:, 0], fresh)).abs().max() <= 1e-10
+
+
+def test_mixer_is_out_proj_of_region_of_in_proj():
+    model = tiny()
+    mixer = model.blocks[0].mixer
+    u = torch.randn(2, 7, 64)
+    expected = mixer.out_proj(mixer.region(mixer.in_proj(u)))
+    assert torch.equal(mixer(u), expected)
+    mixer.in_proj, mixer.out_proj = torch.nn.Identity(), torch.nn.Identity()  # what the traffic count does
+    zxbcdt = torch.randn(2, 7, sum(mixer.split))
+    assert torch.equal(mixer(zxbcdt), mixer.region(zxbcdt))
