@@ -627,8 +627,13 @@ def _describe(value, where: str):
     """A launch argument as the JIT's specializer sees it, in JSON terms."""
     import triton.language as tl
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     if isinstance(value, torch.Tensor):
         return {"tensor": str(value.dtype).removeprefix("torch."), "aligned": value.data_ptr() % 16 == 0}
+    if isinstance(value, TensorDescriptor):  # a TMA descriptor: its base's dtype and its block matter to the JIT
+        return {"descriptor": str(value.base.dtype).removeprefix("torch."), "shape": list(value.shape),
+                "strides": list(value.strides), "block_shape": list(value.block_shape)}
     if isinstance(value, tl.dtype):
         return {"tl": str(value)}
     if isinstance(value, tl.constexpr):
@@ -709,10 +714,16 @@ def _stand_in(value):
     import triton.language as tl
     from triton.runtime.jit import MockTensor
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     if isinstance(value, dict) and "tensor" in value:
         pointer = MockTensor(getattr(torch, value["tensor"]))
         pointer.data_ptr = (lambda: 0) if value["aligned"] else (lambda: 8)
         return pointer
+    if isinstance(value, dict) and "descriptor" in value:
+        base = MockTensor(getattr(torch, value["descriptor"]))
+        base.data_ptr = lambda: 0
+        return TensorDescriptor(base, value["shape"], value["strides"], value["block_shape"])
     return tl.dtype(value["tl"]) if isinstance(value, dict) else value
 
 

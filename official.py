@@ -106,7 +106,7 @@ def config_from_official(config: dict, where) -> dict:
         raise CheckpointError(f"{where}: " + "; ".join(problems) + ". mamba3-lite reads Mamba-3 SISO models with "
                               "RMSNorm, gated MLPs and a tied LM head")
     return dict(vocab_size=c["vocab_size"], n_layer=c["n_layer"], d_model=c["d_model"], expand=int(ssm["expand"]),
-                mlp_hidden=-(-c["d_intermediate"] // MLP_MULTIPLE) * MLP_MULTIPLE, norm_eps=NORM_EPS,
+                mlp_hidden=-(-c["d_intermediate"] // MLP_MULTIPLE) * MLP_MULTIPLE, norm_eps=NORM_EPS, reset_token=None,
                 **{k: ssm[k] for k in ("headdim", "d_state", "ngroups", "rope_fraction", "chunk_size", "A_floor",
                                        "dt_min", "dt_max", "dt_init_floor")})
 
@@ -295,8 +295,8 @@ def read_pretrained(path):
         raise CheckpointError(f"{p}: expected config.json to hold MambaConfig fields and {weights[0].name} a state dict")
     config = config_from_official(mamba_config, p / "config.json")
     marker = json.loads((p / MARKER).read_text()) if (p / MARKER).is_file() else None
-    if marker and marker["model_config"].get("reset_token") is not None:
-        config["reset_token"] = marker["model_config"]["reset_token"]
+    if marker:  # our own export: what config.json cannot say
+        config["reset_token"] = marker["model_config"].get("reset_token")
     state = state_dict_from_official(state, ModelConfig(**config), weights[0])
     return config, state, marker["tokenizer"] if marker else None
 
