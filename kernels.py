@@ -317,8 +317,9 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     phi = torch.remainder(phi, 2 * math.pi)
 
     # B and C: RMS-normalised per group, shared by the group's heads, plus per-head biases, then rotated
-    Bn = F.rms_norm(Bm.view(Bsz, L, G, N), (N,), B_norm_weight, eps).repeat_interleave(H // G, dim=2)
-    Cn = F.rms_norm(Cm.view(Bsz, L, G, N), (N,), C_norm_weight, eps).repeat_interleave(H // G, dim=2)
+    # (in float32, as the fused kernels do: bf16 in, float32 statistics)
+    Bn = F.rms_norm(_f32(Bm).view(Bsz, L, G, N), (N,), B_norm_weight, eps).repeat_interleave(H // G, dim=2)
+    Cn = F.rms_norm(_f32(Cm).view(Bsz, L, G, N), (N,), C_norm_weight, eps).repeat_interleave(H // G, dim=2)
     k = rotate(_f32(Bn + B_bias), phi).to(x.dtype)  # (B, L, H, N)
     q = rotate(_f32(Cn + C_bias), phi).to(x.dtype)
     x = x.view(Bsz, L, H, P)
