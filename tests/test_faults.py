@@ -159,7 +159,7 @@ def test_a_short_validation_split_turns_eval_off_before_step_1(tmp_path):
     prepare.prepare(prepare.find_inputs([src]), data, tokenizer="byte", val_fraction=0.01, workers=1,
                     log=lambda *a: None)
     text = run("--data", data, *BASE, "--max-steps", 3, "--out-dir", tmp_path / "run")
-    assert "off: no val split (or one shorter than seq_len + 1)" in text and "val loss" not in text
+    assert "off: no val split of seq_len + 1 tokens" in text and "val loss" not in text
 
 
 def test_a_token_beyond_the_vocabulary_names_the_file_and_offset(corpus, tmp_path):
