@@ -87,7 +87,7 @@ class TokenSource:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
         self._strided = {}  # seq_len -> (windows, seq_len + 1) strided view, for single-file sources
         self._first_windows = {}  # seq_len -> (files + 1,) first window starting in each file
-        self._vocab, self._unchecked = None, set()  # set by check_vocab: files whose ids windows() still checks
+        self._vocab, self._unchecked = None, None  # set by check_vocab: (files,) bool, those windows() still checks
 
     def __repr__(self):
         tokens = f"{self.num_tokens:,} {self.dtype.name} tokens"
@@ -126,10 +126,13 @@ class TokenSource:
         or written into `out` when given: a C-contiguous array of any dtype that holds the tokens (Batches
         passes int64, so the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
-        if self._unchecked:  # until every file has been checked once: those these windows touch
+        if self._unchecked is not None:  # until every file is checked once: the files these windows touch
             lo, hi = np.searchsorted(self._starts_array, [ids * seq_len, ids * seq_len + seq_len], side="right") - 1
-            for k in self._unchecked & {k for a, b in zip(lo.tolist(), hi.tolist()) for k in range(a, b + 1)}:
-                self._check_file(k)
+            touched = self._unchecked[lo] | self._unchecked[hi]
+            for a, b in zip(lo[touched].tolist(), hi[touched].tolist()):
+                for k in range(a, b + 1):
+                    if self._unchecked is not None and self._unchecked[k]:
+                        self._check_file(k)
         if len(self._segments) == 1:
             # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
             view = self._strided.get(seq_len)
@@ -167,7 +170,6 @@ class TokenSource:
         np.concatenate(pieces, out=out.reshape(-1))  # a view of out, which is C-contiguous
         return out
 
-
     def _check_file(self, k):
         # A shard changed after prepare.py wrote it (same size, so only `prepare.py verify` would notice) must not
         # reach the model as an index error deep in a step: one vectorised pass over each file, once.
@@ -178,7 +180,9 @@ class TokenSource:
                             f"{bad[0] * self.dtype.itemsize}) is outside [0, {self._vocab}) of the model's vocabulary, "
                             f"although the manifest says otherwise: was the file changed after prepare.py wrote it? "
                             f"`python prepare.py verify {self.path}` checks every shard")
-        self._unchecked.discard(k)
+        self._unchecked[k] = False
+        if not self._unchecked.any():
+            self._unchecked = None  # all checked: windows() pays nothing from here on
 
 
 def _raise_open_file_limit(n_files: int):
@@ -408,7 +412,7 @@ def check_vocab(source: TokenSource, vocab_size: int):
     comes from its manifest is trusted now and each file checked once more the first time windows() reads it
     (a shard edited after prepare.py keeps its size, and the manifest cannot know)."""
     source._vocab = vocab_size
-    source._unchecked = set(range(len(source.files))) if source._min_token_id is not None else set()
+    source._unchecked = np.ones(len(source.files), bool) if source._min_token_id is not None else None
     top = source.max_token_id
     if source._min_token_id is None:
         source._scan()
@@ -476,6 +480,7 @@ class Batches:
         import torch
 
         self._torch, self.device = torch, torch.device(device)
+        self._cuda = self.device.type == "cuda"  # pinned memory and non_blocking copies
         # the state: global samples consumed by all ranks together, and how many came from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two epochs kept)
@@ -486,8 +491,10 @@ class Batches:
         return self
 
     def __next__(self):
-        build = self._prefetch or self._build
-        x, y, self._consumed, self._counts = build(self._consumed, self._counts)
+        if self._prefetch is None:
+            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
+        else:
+            x, y, self._consumed, self._counts = self._prefetch(self._consumed, self._counts)
         return x, y
 
     def state_dict(self) -> dict:
@@ -538,7 +545,7 @@ class Batches:
                     ids = self._window_ids(k, int(first[rows[0]]), len(rows))
                 g[rows] = self.sources[k].windows(ids, L)
         # x and y are views of the one buffer, offset by a token: one copy of the tokens, one transfer
-        if self.device.type == "cuda":
+        if self._cuda:
             g = self._torch.from_numpy(g).to(self.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + B * self.world_size, counts
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: it shows at 15 us a batch)
@@ -569,7 +576,7 @@ class Batches:
 
     def _empty_batch(self):
         shape = (self.micro_batch, self.seq_len + 1)
-        if self.device.type != "cuda":
+        if not self._cuda:
             return np.empty(shape, np.int64)
         # pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True)
         return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()  # filled in place
