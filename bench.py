@@ -538,20 +538,22 @@ def train_step(
     steps: int = typer.Option(5, min=1, help="Timed optimizer steps per preset."),
     warmup: int = typer.Option(2, min=0, help="Untimed steps first (allocation, torch.compile)."),
     device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
+    dtype: Literal["auto", "bf16", "fp32"] = typer.Option("auto", help="auto: as train.py, bf16 autocast where "
+                                                          "the device has bf16 arithmetic."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: "
                                            "on for CUDA, off for CPU)."),
 ):
     """Tokens/s, ms/step and MFU of training steps per preset.
 
-    One micro batch of the preset's recipe per step, AdamW, bf16 autocast on CUDA; warm-up and compilation are
-    not timed. A preset that runs out of memory is reported as not fitting."""
+    One micro batch of the preset's recipe per step, AdamW, the autocast train.py would use; warm-up and
+    compilation are not timed. A preset that runs out of memory is reported as not fitting."""
     import train as trainer
 
     dev = resolve_device(device)
-    dtype = "bf16" if dev == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    dtype = ("bf16" if trainer.bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
     names = [m.value for m in model] if model else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16")
     gpu_name = torch.cuda.get_device_name() if dev == "cuda" else ""
     peak = next((f for key, f in trainer.PEAK_FLOPS.items() if key in gpu_name), None)
     rows = []
