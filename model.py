@@ -1,6 +1,12 @@
 """The Mamba-3 language model (SISO): config and presets, the mixer, SwiGLU MLP, pre-norm blocks, the tied LM
-head, recurrent decoding and a FLOPs count. MAMBA3.md §1, §3 and §4 are the specification; the scan itself
-lives in kernels.py.
+head, recurrent decoding and a FLOPs count (Mamba-3, arXiv 2603.15569). The layer's math between in_proj and
+out_proj, and the scan, live in kernels.py.
+
+A block is h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)) (SwiGLU: down(silu(gate(h)) * up(h)), omitted
+when mlp_hidden is 0), then a final RMSNorm and an LM head tied to the embedding. The mixer is one bias-free
+in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, the region (kernels.mixer) and a bias-free out_proj.
+Decoding keeps per layer the phases, the state S and the last token's k and x, and runs one token of the
+recurrence per step; it reproduces the parallel forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -62,7 +68,7 @@ class ModelConfig:
         return -(-self.vocab_size // 64) * 64
 
 
-# Paper size classes (MAMBA3.md §4) plus two CPU-sized ones. vocab_size is GPT-2's here; train.py sets it from
+# The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is GPT-2's here; train.py sets it from
 # the data. Peak learning rates for the recipe live in train.py.
 PRESETS = {
     "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128, chunk_size=16),
@@ -163,7 +169,7 @@ class Mamba3LM(nn.Module):
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.lm_head.weight = self.embed.weight  # tied: one tensor, two uses
-        # init (MAMBA3.md §4): embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
+        # init: embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
         # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the stream's
         # variance does not grow with depth (two residual writes per block)
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -179,7 +185,7 @@ class Mamba3LM(nn.Module):
 
     def param_groups(self, weight_decay):
         """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on dt_bias, D,
-        norm weights and the B/C biases (MAMBA3.md §1)."""
+        norm weights and the B/C biases)."""
         decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         no_decay = [p for p in self.parameters() if id(p) not in decay]
         return [{"params": list(decay.values()), "weight_decay": weight_decay},
@@ -227,7 +233,7 @@ class Mamba3LM(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    # --- recurrent decoding (MAMBA3.md §3) ---
+    # --- recurrent decoding ---
 
     def init_cache(self, batch_size):
         """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N) and x (B, H, P).

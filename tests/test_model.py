@@ -87,7 +87,7 @@ def test_top_k_sampling_stays_in_the_top_k():
 
 
 def expected_params(cfg: ModelConfig) -> int:
-    """Parameter count from the config alone (MAMBA3.md §1, §4)."""
+    """Parameter count from the config alone."""
     D, E, H, N, G, S = cfg.d_model, cfg.d_inner, cfg.n_heads, cfg.d_state, cfg.ngroups, cfg.n_angles
     in_proj = D * (2 * E + 2 * G * N + 3 * H + S)
     mixer = in_proj + E * D + H + 2 * N + 2 * H * N + H  # + dt_bias, B/C norms, B/C biases, D
@@ -106,7 +106,7 @@ def test_every_preset_builds_on_meta_with_the_expected_count(name):
 
 
 def test_paper_sizes_at_the_paper_vocab():
-    # MAMBA3.md §4: ~186M and ~443M parameters with a 128k vocabulary
+    # the paper's ~186M and ~443M parameters with its 128k vocabulary
     for name, expected in (("180m", 186e6), ("440m", 443e6)):
         cfg = dataclasses.replace(PRESETS[name], vocab_size=128256)
         assert abs(expected_params(cfg) - expected) / expected < 0.01
