@@ -425,6 +425,32 @@ def check_vocab(source: TokenSource, vocab_size: int):
         )
 
 
+def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
+    """train.py's --data: specs are paths, or PATH:WEIGHT to blend several (or ["synthetic"]: random tokens
+    in a file under tmpdir, the only way random data is ever used). Returns (train sources, weights or None,
+    the first path's val source or None, vocab_size), every source checked against the vocabulary (by default
+    the first source's, else GPT-2's 50257)."""
+    if list(specs) == ["synthetic"]:
+        vocab, path = vocab_size or 50257, Path(tmpdir) / "synthetic.bin"
+        np.random.default_rng(seed).integers(0, vocab, 1 << 22).astype(np.uint32).tofile(path)
+        return [open_tokens(path, dtype=np.uint32)], None, None, vocab
+    paths, weights = [], []
+    for spec in specs:
+        head, sep, tail = spec.rpartition(":")
+        weighted = sep and not Path(spec).exists()
+        if spec == "synthetic" or weighted and not tail.replace(".", "", 1).isdigit():
+            raise DataError(f"--data {spec!r}: expected a path or PATH:WEIGHT (a positive number); 'synthetic' "
+                            f"cannot be blended with real data")
+        paths.append(head if weighted else spec)
+        weights.append(float(tail) if weighted else 1.0)
+    sources = [open_tokens(path, "train", dtype) for path in paths]
+    val = open_tokens(paths[0], "val", dtype) if "val" in splits(paths[0]) else None
+    vocab = vocab_size or sources[0].vocab_size or 50257
+    for source in sources + [val] * (val is not None):
+        check_vocab(source, vocab)
+    return sources, weights if len(paths) > 1 else None, val, vocab
+
+
 # -----------------------------------------------------------------------------
 # batches: epochs, global samples, ranks, blending, state
 

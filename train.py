@@ -197,28 +197,9 @@ def setup_distributed(device):
 def open_data(cfg, rank, world, tmpdir):
     """--data -> (train Batches, val source or None, vocab size). Missing, malformed or out-of-vocabulary
     data is refused here, before anything is built or written."""
-    if cfg.data == ["synthetic"]:  # the only way this trainer ever touches random tokens
-        vocab, path = cfg.vocab_size or 50257, Path(tmpdir) / "synthetic.bin"
-        np.random.default_rng(cfg.seed).integers(0, vocab, 1 << 22).astype(np.uint32).tofile(path)
-        sources, weights, val = [data.open_tokens(path, dtype=np.uint32)], None, None
-    else:
-        specs = []
-        for spec in cfg.data:  # DIR or DIR:WEIGHT
-            head, sep, tail = spec.rpartition(":")
-            weighted = sep and not Path(spec).exists()
-            if spec == "synthetic" or weighted and not tail.replace(".", "", 1).isdigit():
-                raise TrainError(f"--data {spec!r}: expected DIR or DIR:WEIGHT (a positive number); "
-                                 f"'synthetic' cannot be blended with real data")
-            specs.append((head, float(tail)) if weighted else (spec, 1.0))
-        sources = [data.open_tokens(path, "train", cfg.data_dtype) for path, _ in specs]
-        weights = [w for _, w in specs] if len(specs) > 1 else None
-        first = specs[0][0]
-        val = data.open_tokens(first, "val", cfg.data_dtype) if "val" in data.splits(first) else None
-        vocab = cfg.vocab_size or sources[0].vocab_size or 50257
-        for s in sources + [val] * (val is not None):
-            data.check_vocab(s, vocab)
-        if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the
-            val = None  # header says that evaluation is off; the training is still worth running
+    sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmpdir)
+    if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the header
+        val = None  # says that evaluation is off; the training itself is still worth running
     batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len,
                            rank, world, cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu",
                            prefetch=cfg.device == "cuda")
@@ -291,34 +272,31 @@ def max_abs_weight(model):
 
 
 class Log:
-    """Rank 0's one sink: log(line, **record) prints the line, appends the record to metrics.jsonl
-    (opened at the first record: a run refused at start-up leaves nothing) and sends it to wandb
-    (when WANDB_PROJECT is set; wandb reads its own WANDB_* variables). A progress bar on terminals."""
+    """Rank 0's one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened
+    at the first record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT
+    is set (wandb reads its own WANDB_* variables; the run id kept in the checkpoints continues its run)."""
 
     def __init__(self, cfg, rank):
         self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-        self.on, self.file, self.progress, self.wandb = rank == 0, None, None, None
+        self.on, self.file, self.wandb = rank == 0, None, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if self.on and not cfg.dry_run else None
+        # a progress bar on terminals only: logs and CI get plain lines
+        self.progress = Progress(console=self.console, transient=True) if self.on and sys.stdout.isatty() else None
 
     def __call__(self, line=None, **record):
-        if not self.on:
-            return
-        if line is not None:
+        if self.on and line is not None:
             self.console.print(line)
             self.console.file.flush()  # lines reach a log file or a pipe as they happen
-        if record and self.path is not None:
+        if self.on and record and self.path is not None:
             self.file = self.file or open(self.path, "a")
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         with contextlib.suppress(Exception):  # a logging service must never stop training
-            if record and self.wandb is not None:
-                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-                self.wandb.log(numbers, step=record["step"])
+            if self.wandb is not None and record:
+                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
     def start(self, cfg, step, run_id):
-        """The progress bar, and wandb: the run id kept in the checkpoints continues its run."""
-        if self.on and sys.stdout.isatty():
-            self.progress = Progress(console=self.console, transient=True)
+        if self.progress is not None:
             self.task = self.progress.add_task("train", total=cfg.max_steps, completed=step)
             self.progress.start()
         if self.on and os.environ.get("WANDB_PROJECT") and not cfg.dry_run:
@@ -340,32 +318,27 @@ class Log:
 
 def header(log, cfg, model, batches, val):
     """The resolved run in one panel: what a reader of the log needs to know it is the run meant."""
-    c, world, accum = model.config, batches.world_size, batches.accum_steps
-    gpu = f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else ""
-    lines = [f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model "
-             f"{c.d_model}, vocab {c.vocab_size}" + (f", reset after token {c.reset_token}"
-                                                     if c.reset_token is not None else "") + ")",
-             f"device     {cfg.device}{gpu}, dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}",
-             f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} "
-             f"tokens x {accum} accumulation x {world} ranks (world size {world})",
+    c, tokens = model.config, sum(s.num_tokens for s in batches.sources)
+    planned = cfg.total_batch_size * cfg.max_steps
+    shares = [f" ({float(w):.0%} of the samples)" if len(cfg.data) > 1 else "" for w in batches.weights]
+    lines = [f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model {c.d_model}"
+             f", vocab {c.vocab_size}{'' if c.reset_token is None else f', reset after token {c.reset_token}'})",
+             f"device     {cfg.device}" + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
+             + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {batches.world_size}",
+             f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens "
+             f"x {batches.accum_steps} accumulation x {batches.world_size} ranks",
              f"schedule   {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, "
-             f"{cfg.warmup_steps} warmup)"]
-    if cfg.data == ["synthetic"]:
-        lines.append("data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)")
-    else:
-        tokens, planned = sum(s.num_tokens for s in batches.sources), cfg.total_batch_size * cfg.max_steps
-        names = ", ".join(f"{s.path}" + (f" ({float(w):.0%} of the samples)" if len(cfg.data) > 1 else "")
-                          for s, w in zip(batches.sources, batches.weights))
-        lines.append(f"data       {names}: {tokens:,} tokens; {planned:,} planned = "
-                     f"{planned / tokens:.2f} epochs")
-        lines.append("eval       " + (f"every {cfg.eval_every} steps on {val.path} (val)" if val else
-                                      "[bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]"))
-    if cfg.init_from:
-        lines.append(f"init       weights from {cfg.init_from} (a resumed checkpoint comes first)")
-    lines.append(f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "") +
-                 f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})")
-    lines.append(f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, "
-                 f"nan guard {cfg.nan_guard}, seed {cfg.seed}")
+             f"{cfg.warmup_steps} warmup)",
+             "data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)"
+             if cfg.data == ["synthetic"] else
+             f"data       {', '.join(f'{s.path}{share}' for s, share in zip(batches.sources, shares))}: "
+             f"{tokens:,} tokens; {planned:,} planned = {planned / tokens:.2f} epochs",
+             f"eval       every {cfg.eval_every} steps on {val.path} (val)" if val else
+             "eval       [bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]",
+             f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "") +
+             f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
+             f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
+             f"{cfg.nan_guard}, seed {cfg.seed}"] + [f"init from  {cfg.init_from}"] * bool(cfg.init_from)
     if log.on:
         log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 

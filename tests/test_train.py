@@ -331,7 +331,7 @@ def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else
         first.clear()
         out = tmp_path / f"from-{path.name}"
         text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--init-from", path)
-        assert f"weights from {path}" in text and "tiny" in text  # the recipe of the preset of that shape
+        assert f"init from  {path}" in text and "tiny" in text  # the recipe of the preset of that shape
         for k, v in first["params"].items():  # exactly the source's weights (an export drops the padding rows)
             want = source[k] if "embed" not in k and "lm_head" not in k else source[k][:257]
             assert torch.equal(v if v.shape == want.shape else v[:257], want), k
