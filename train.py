@@ -86,7 +86,7 @@ class TrainConfig:
                     ".bin file or directory, a shard_*.bin directory or a Megatron prefix; DIR:WEIGHT "
                     "(repeated) blends; 'synthetic' is random tokens (speed tests only).")]
     model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset, which sets the "
-                     "(preset) defaults too [default: small, or --init-from's]")] = None
+                     "(preset) defaults too (default: small, or --init-from's).")] = None
     init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule, "
                          "data): a run directory or an official mamba_ssm directory.")] = None
     reset_at_eos: Annotated[bool, Option(help="Reset the state at each document boundary (after the "
@@ -99,8 +99,8 @@ class TrainConfig:
     max_steps: Annotated[Int, Option(min=1, help=preset("max_steps", "Optimizer steps."))] = None
     lr: Annotated[Optional[float], Option(help=preset("lr", "Peak learning rate (> 0)."))] = None
     min_lr: Annotated[float, Option(min=0, help="Final learning rate (at most --lr).")] = 1e-5
-    warmup_steps: Annotated[Int, Option(min=0, help="Linear warmup steps [default: 10% of "
-                            "--max-steps, at most 2000]")] = None
+    warmup_steps: Annotated[Int, Option(min=0, help="Linear warmup steps (default: 10% of "
+                            "--max-steps, at most 2000).")] = None
     schedule: Annotated[Literal["cosine", "wsd"], Option(help="cosine: warmup, cosine decay; wsd: "
                         "warmup, stable, linear decay over the last 20%.")] = "cosine"
     weight_decay: Annotated[float, Option(min=0, help="AdamW weight decay (matrices only).")] = 0.1
@@ -109,12 +109,12 @@ class TrainConfig:
                      "weights) where the device has bf16 arithmetic, else fp32.")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Option(help="auto: CUDA if there is one.")] = "auto"
     compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="torch.compile the model "
-                       "[default: on CUDA only]")] = None
+                       "(default: on CUDA only).")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute blocks in backward: less memory.")] = False
-    vocab_size: Annotated[Int, Option(min=1, help="Model vocabulary [default: the data's, else "
-                          "50257]")] = None
+    vocab_size: Annotated[Int, Option(min=1, help="Model vocabulary (default: the data's, else "
+                          "50257).")] = None
     data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype of "
-                          "raw sources without a manifest [default: uint16]")] = None
+                          "raw sources without a manifest (default: uint16).")] = None
     out_dir: Annotated[str, Option(help="Run directory: checkpoints, config.json, metrics.jsonl.")] = "out"
     resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start fresh; "
                       "STEP: that step (newer steps are moved aside).")] = "auto"
