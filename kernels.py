@@ -167,6 +167,12 @@ class ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dY, dS_final):
+        # in the compute dtype, as the forward ran: torch.compile traces the backward under the caller's autocast
+        with torch.autocast(dY.device.type, enabled=False):
+            return ChunkedScan._backward(ctx, dY.float() if dY.dtype != torch.float64 else dY, dS_final)
+
+    @staticmethod
+    def _backward(ctx, dY, dS_final):
         X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
         dY = dY.contiguous()  # it arrives as a view of (B, L, H, P); four matmuls read it
         b, C, P = X.shape
