@@ -739,48 +739,67 @@ if triton is not None:
             cos, sin = tl.cos(Phi), tl.sin(Phi)
             B_weight, bias = _norm_weight_bias(Bw_ptr, Bb_ptr, h, n, N, ACC)
             K, xBh, rB = _qk(rows, valid, col_B, n, N, B_weight, bias, cos, sin, eps, C, NP, ACC)
+            K, xBh = K.to(DT), xBh.to(DT)
             C_weight, bias = _norm_weight_bias(Cw_ptr, Cb_ptr, h, n, N, ACC)
             Q, xCh, rC = _qk(rows, valid, col_B + G * N, n, N, C_weight, bias, cos, sin, eps, C, NP, ACC)
-            _, decay, W, e, f, u, a = _decays(cs, w, gamma, seg, i, C)
+            Q, xCh = Q.to(DT), xCh.to(DT)
             xz_mask = _in_bounds(valid, p, P, PP)
             xz = rows[:, None] + h * P + p[None, :]
-            X = tl.load(xz + H * P, mask=xz_mask, other=0.0).to(ACC)
+            X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
+            Sin = states.load([((bh * nc + c) * PP).to(tl.int32), 0])
+            # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
+            _, decay, W, e, f, u, a = _decays(cs, w, gamma, seg, i, C)
+            scores = _dot(Q, tl.trans(K), DT)
+            QS = _dot(Q, tl.trans(Sin), DT)
+            Y = _dot(W * scores, X, DT) + e[:, None] * QS
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
-            Sin = states.load([((bh * nc + c) * PP).to(tl.int32), 0]).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :], mask=xz_mask,
                            other=0.0).to(ACC)
-            # the gate and the D skip: out = (y + D x) * z * sigmoid(z)
-            scores = _dot(Q, tl.trans(K.to(DT)), DT)
-            QS = _dot(Q, tl.trans(Sin.to(DT)), DT)
-            Y = _dot(W * scores, X, DT) + e[:, None] * QS
             sz = tl.sigmoid(Z)
             dY = dout * Z * sz
-            dZ = dout * (Y + D * X) * sz * (1.0 + Z * (1.0 - sz))
-            dD += tl.sum(dY * X)
-            dX, dQ, dK, dcs, dw, dg, G_state = _chunk_backward(Q, K, X, dY, scores, QS, Sin, G_state, decay, W, e,
-                                                               f, w, u, a, i, C, DT)
+            dZ = dout * (Y + D * X.to(ACC)) * sz * (1.0 + Z * (1.0 - sz))
             g_rows = dzx_ptr + b * sg_b + t * sg_l
             xz = g_rows[:, None] + h * P + p[None, :]
             tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            dD += tl.sum(dY * X.to(ACC))
+            dcs = e * tl.sum(dY * QS, axis=1)
+            # the scan's gradients, one product at a time (see _chunk_backward for the formulas)
+            KGt = _dot(K, tl.trans(G_state), DT)  # (C, P)
+            du = tl.sum(X.to(ACC) * KGt, axis=1)
+            dX = _dot(tl.trans(W * scores), dY, DT) + u[:, None] * KGt
             tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            dM = _dot(dY, tl.trans(X), DT)
+            dWs = dM * W
+            dMs = dM * scores
+            R = tl.where(i[None, :] < i[:, None], dMs * decay, 0.0)
+            col = tl.sum(R, axis=0)
+            dg = tl.sum(tl.where(i[:, None] == i[None, :], dMs, 0.0), axis=1)
+            dw = col + du * f
+            dcs += tl.sum(R * w[None, :], axis=1) - w * col - du * u
+            dcs += tl.where(i == C - 1, tl.sum(du * u, axis=0) + a * tl.sum(G_state * Sin.to(ACC)), 0.0)
+            # k: its phase gradient, and this head's share of dB (B is shared with the group's other heads)
+            dK = _dot(tl.trans(dWs), Q, DT) + u[:, None] * _dot(X, G_state, DT)
+            dPhi = _turn_rate(dK, K, C, NP)
+            dk, dBm = _qk_backward(dK, cos, sin, xBh, rB, B_weight, N, C, NP)
+            dB_bias, dB_weight = dB_bias + tl.sum(dk, 0), dB_weight + tl.sum(dk * xBh, 0)
+            share = part_ptr + ((b * L + t) * H + h)[:, None] * width
+            nm = _in_bounds(valid, n, N, NP)
+            tl.store(share + n[None, :], dBm.to(part_ptr.dtype.element_ty), mask=nm)
+            # q likewise, and the state's gradient for the chunk before
+            dQ = _dot(dWs, K, DT) + e[:, None] * _dot(dY, Sin, DT)
+            G_state = a * G_state + _dot(tl.trans(dY * e[:, None]), Q, DT)
+            dPhi += _turn_rate(dQ, Q, C, NP)
+            dq, dCm = _qk_backward(dQ, cos, sin, xCh, rC, C_weight, N, C, NP)
+            dC_bias, dC_weight = dC_bias + tl.sum(dq, 0), dC_weight + tl.sum(dq * xCh, 0)
+            tl.store(share + N + n[None, :], dCm.to(part_ptr.dtype.element_ty), mask=nm)
             # the phases turn q and k; the last token's phase is also the next chunk's carry. dv_j = the sum of
             # dPhi_i over i >= j in j's segment (v = theta dt is what the phases add up)
-            dPhi = _turn_rate(dQ, Q, C, NP) + _turn_rate(dK, K, C, NP)
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
                 dv = _dot(tl.trans(same.to(ACC)), dPhi, ACC)
             else:
                 dv = tl.cumsum(dPhi, 0, reverse=True)
             dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
-            # B, C and the angles, shared with other heads: this head's share goes to part
-            dk, dBm = _qk_backward(dK, cos, sin, xBh, rB, B_weight, N, C, NP)
-            dq, dCm = _qk_backward(dQ, cos, sin, xCh, rC, C_weight, N, C, NP)
-            dB_bias, dC_bias = dB_bias + tl.sum(dk, 0), dC_bias + tl.sum(dq, 0)
-            dB_weight, dC_weight = dB_weight + tl.sum(dk * xBh, 0), dC_weight + tl.sum(dq * xCh, 0)
-            share = part_ptr + ((b * L + t) * H + h)[:, None] * width
-            nm = _in_bounds(valid, n, N, NP)
-            tl.store(share + n[None, :], dBm.to(part_ptr.dtype.element_ty), mask=nm)
-            tl.store(share + N + n[None, :], dCm.to(part_ptr.dtype.element_ty), mask=nm)
             dangle = dv * dt[:, None] * _PI * (1.0 - th * th)
             tl.store(share + 2 * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
                      mask=valid[:, None] & (j < S)[None, :])
