@@ -29,7 +29,7 @@ def make_state(B, H, P, N, dtype=F64, seed=1):
 
 
 def ssd_masked(x, q, k, log_a, gamma, beta, state=None):
-    """MAMBA3.md §2's masked form, written independently of kernels.py: one (L x L) weight matrix per
+    """The scan's masked (attention) form, written independently of kernels.py: one (L x L) weight matrix per
     (b, h), with decay(t, s) = exp(sum_{r=s+1..t} log_a_r)."""
     B, L, H, P = x.shape
     cs = torch.cumsum(log_a, dim=1)  # (B, L, H)
