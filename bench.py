@@ -1203,7 +1203,6 @@ def traffic(
                 "--heads", str(heads), "--headdim", str(headdim), "--d-state", str(d_state), "--ngroups", str(ngroups),
                 "--chunk-size", str(chunk_size), "--dtype", dtype]
         raise typer.Exit(subprocess.run(args, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode)
-    import dataclasses
 
     import kernels as K
     from model import Mamba3Mixer, ModelConfig

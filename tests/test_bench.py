@@ -170,3 +170,17 @@ def test_every_kernel_the_layer_launches_compiles_for_sm90():
     limit = {"_mixer_fwd": 432, "_mixer_bwd": 4528, "_scan_fwd": 512, "_scan_bwd": 2048, "_sum_heads": 0}
     for r in rows:
         assert r["spill_stores"] <= limit.get(r["kernel"], 0), (r["kernel"], r["spill_stores"])
+
+
+def test_traffic_counts_the_fused_path_against_the_compulsory_minimum():
+    # a small layer through the interpreter: the counter must see the kernels' loads and stores and the eager
+    # ops, so that the fused path lies above the minimum and far below the eager glue
+    result = CliRunner().invoke(bench.app, ["traffic", "--seq-len", "40", "--heads", "2", "--headdim", "16",
+                                            "--d-state", "16", "--chunk-size", "16", "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    ratios = {row.split("│")[1].strip(): float(row.split("│")[5].strip().rstrip("x"))
+              for row in result.output.splitlines() if row.count("│") >= 7 and row.split("│")[5].strip().endswith("x")}
+    assert ratios["compulsory minimum"] == 1.0
+    fused = next(v for k, v in ratios.items() if k.startswith("fused"))
+    eager = next(v for k, v in ratios.items() if k.startswith("eager"))
+    assert 1.0 < fused < eager, ratios

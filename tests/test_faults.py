@@ -4,7 +4,6 @@ import fcntl
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
