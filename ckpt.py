@@ -392,7 +392,7 @@ def _read(d, step, map_location):
     meta = _verify(d, step)
     model_name, optim_name, _ = _names(step)
     try:
-        tensors = safetensors.torch.load_file(d / model_name, device=str(map_location))
+        tensors = safetensors.torch.load_file(d / model_name)  # on the CPU: a second copy on a GPU may not fit
     except (safetensors.SafetensorError, OSError, ValueError) as e:
         raise CorruptCheckpoint(f"checkpoint step {step}: {d / model_name} matches its sha256 but is not a "
                                 f"readable safetensors file ({e})") from None
