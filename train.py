@@ -80,54 +80,52 @@ Int = Optional[int]  # None: the preset's value
 
 @dataclass
 class TrainConfig:
-    """A run's settings. The fields are train.py's flags (main takes this signature); resolve() fills
-    the (preset) ones and settles auto. Saved as config.json and in every checkpoint's meta."""
-    data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a nanoGPT "
-                    ".bin file or directory, a shard_*.bin directory or a Megatron prefix; DIR:WEIGHT "
-                    "(repeated) blends; 'synthetic' is random tokens (speed tests only).")]
-    model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset, which sets the "
-                     "(preset) defaults too (default: small, or --init-from's).")] = None
-    init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule, "
-                         "data): a run directory or an official mamba_ssm directory.")] = None
-    reset_at_eos: Annotated[bool, Option(help="Reset the state at each document boundary (after the "
-                            "data's EOS), in training and decoding.")] = False
+    """A run's settings. The fields are train.py's flags (main takes this signature); resolve() fills the
+    (preset) ones and settles auto. Saved as config.json and in every checkpoint's meta."""
+    data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a nanoGPT .bin file or "
+                    "directory, a shard_*.bin directory or a Megatron prefix; DIR:WEIGHT (repeated) blends; "
+                    "'synthetic' is random tokens (speed tests only).")]
+    model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset, which sets the (preset) "
+                     "defaults too (default: small, or --init-from's).")] = None
+    init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule, data): "
+                         "a run directory or an official mamba_ssm directory.")] = None
+    reset_at_eos: Annotated[bool, Option(help="Reset the state at each document boundary (after the data's "
+                            "EOS), in training and decoding.")] = False
     seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
-    batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and "
-                          "micro-step."))] = None
-    total_batch_size: Annotated[Int, Option(min=1, help=preset("total_batch_size", "Tokens per "
-                                "optimizer step over all devices; sets the accumulation."))] = None
+    batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and micro-step."))] = None
+    total_batch_size: Annotated[Int, Option(min=1, help=preset("total_batch_size", "Tokens per optimizer step "
+                                "over all devices; sets the accumulation."))] = None
     max_steps: Annotated[Int, Option(min=1, help=preset("max_steps", "Optimizer steps."))] = None
     lr: Annotated[Optional[float], Option(help=preset("lr", "Peak learning rate (> 0)."))] = None
     min_lr: Annotated[float, Option(min=0, help="Final learning rate (at most --lr).")] = 1e-5
-    warmup_steps: Annotated[Int, Option(min=0, help="Linear warmup steps (default: 10% of "
-                            "--max-steps, at most 2000).")] = None
-    schedule: Annotated[Literal["cosine", "wsd"], Option(help="cosine: warmup, cosine decay; wsd: "
-                        "warmup, stable, linear decay over the last 20%.")] = "cosine"
+    warmup_steps: Annotated[Int, Option(min=0, help="Linear warmup steps (default: 10% of --max-steps, at most "
+                            "2000).")] = None
+    schedule: Annotated[Literal["cosine", "wsd"], Option(help="cosine: warmup, cosine decay; wsd: warmup, "
+                        "stable, linear decay over the last 20%.")] = "cosine"
     weight_decay: Annotated[float, Option(min=0, help="AdamW weight decay (matrices only).")] = 0.1
     grad_clip: Annotated[float, Option(min=0, help="Clip the gradient norm to this; 0: never.")] = 1.0
-    dtype: Annotated[Literal["auto", "bf16", "fp32"], Option(help="auto: bf16 autocast (float32 "
-                     "weights) where the device has bf16 arithmetic, else fp32.")] = "auto"
+    dtype: Annotated[Literal["auto", "bf16", "fp32"], Option(help="auto: bf16 autocast (float32 weights) where "
+                     "the device has bf16 arithmetic, else fp32.")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Option(help="auto: CUDA if there is one.")] = "auto"
-    compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="torch.compile the model "
-                       "(default: on CUDA only).")] = None
+    compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="torch.compile the model (default: "
+                       "on CUDA only).")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute blocks in backward: less memory.")] = False
-    vocab_size: Annotated[Int, Option(min=1, help="Model vocabulary (default: the data's, else "
-                          "50257).")] = None
-    data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype of "
-                          "raw sources without a manifest (default: uint16).")] = None
+    vocab_size: Annotated[Int, Option(min=1, help="Model vocabulary (default: the data's, else 50257).")] = None
+    data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype of raw "
+                          "sources without a manifest (default: uint16).")] = None
     out_dir: Annotated[str, Option(help="Run directory: checkpoints, config.json, metrics.jsonl.")] = "out"
-    resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start fresh; "
-                      "STEP: that step (newer steps are moved aside).")] = "auto"
+    resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start fresh; STEP: "
+                      "that step (newer steps are moved aside).")] = "auto"
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
-    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Checkpoint every N steps and "
-                          "at the end."))] = None
+    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Checkpoint every N steps and at the "
+                          "end."))] = None
     keep_last: Annotated[int, Option(min=0, help="Keep the newest K checkpoints; 0 keeps all.")] = 3
     eval_every: Annotated[Int, Option(min=1, help=preset("eval_every", "Evaluate every N steps."))] = None
     eval_batches: Annotated[int, Option(min=1, help="Micro-batches of val windows per eval.")] = 20
     log_every: Annotated[int, Option(min=1, help="A log line and metrics record every N steps.")] = 10
-    nan_guard: Annotated[int, Option(min=0, help="After N non-finite steps in a row, roll back to the "
-                         "newest checkpoint; 0: never.")] = 5
+    nan_guard: Annotated[int, Option(min=0, help="After N non-finite steps in a row, roll back to the newest "
+                         "checkpoint; 0: never.")] = 5
     seed: Annotated[int, Option(min=0, help="Seeds the data order and the initialisation.")] = 0
     dry_run: Annotated[bool, Option(help="Run 2 steps and an eval; write nothing.")] = False
 
@@ -272,30 +270,30 @@ def max_abs_weight(model):
 
 
 class Log:
-    """Rank 0's one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened
-    at the first record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT
-    is set (wandb reads its own WANDB_* variables; the run id kept in the checkpoints continues its run)."""
+    """Rank 0's one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened at
+    the first record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT is
+    set (wandb reads its own WANDB_* variables; the run id kept in the checkpoints continues its run)."""
 
     def __init__(self, cfg, rank):
-        self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-        self.on, self.file, self.wandb = rank == 0, None, None
+        self.on, self.file, self.wandb, tty = rank == 0, None, None, sys.stdout.isatty()
+        self.console = Console(highlight=False, width=None if tty else 200)
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if self.on and not cfg.dry_run else None
-        # a progress bar on terminals only: logs and CI get plain lines
-        self.progress = Progress(console=self.console, transient=True) if self.on and sys.stdout.isatty() else None
+        self.progress = Progress(console=self.console, transient=True) if self.on and tty else None  # not in logs
 
     def __call__(self, line=None, **record):
         if self.on and line is not None:
             self.console.print(line)
             self.console.file.flush()  # lines reach a log file or a pipe as they happen
-        if self.on and record and self.path is not None:
+        if record and self.path is not None:
             self.file = self.file or open(self.path, "a")
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         with contextlib.suppress(Exception):  # a logging service must never stop training
-            if self.wandb is not None and record:
+            if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
     def start(self, cfg, step, run_id):
+        """Start the progress bar and wandb; returns the wandb run id, which the checkpoints keep."""
         if self.progress is not None:
             self.task = self.progress.add_task("train", total=cfg.max_steps, completed=step)
             self.progress.start()
@@ -318,15 +316,14 @@ class Log:
 
 def header(log, cfg, model, batches, val):
     """The resolved run in one panel: what a reader of the log needs to know it is the run meant."""
-    c, tokens = model.config, sum(s.num_tokens for s in batches.sources)
-    planned = cfg.total_batch_size * cfg.max_steps
+    c, tokens, planned = model.config, sum(s.num_tokens for s in batches.sources), cfg.total_batch_size * cfg.max_steps
     shares = [f" ({float(w):.0%} of the samples)" if len(cfg.data) > 1 else "" for w in batches.weights]
-    lines = [f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model {c.d_model}"
-             f", vocab {c.vocab_size}{'' if c.reset_token is None else f', reset after token {c.reset_token}'})",
+    lines = [f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model {c.d_model}, "
+             f"vocab {c.vocab_size}{'' if c.reset_token is None else f', reset after token {c.reset_token}'})",
              f"device     {cfg.device}" + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
              + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {batches.world_size}",
-             f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens "
-             f"x {batches.accum_steps} accumulation x {batches.world_size} ranks",
+             f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens x "
+             f"{batches.accum_steps} accumulation x {batches.world_size} ranks",
              f"schedule   {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, "
              f"{cfg.warmup_steps} warmup)",
              "data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)"
@@ -348,20 +345,19 @@ def header(log, cfg, model, batches, val):
 
 
 def lock(out):
-    """An exclusive lock on OUT/.lock for the run, so a second run on the directory is refused; the OS
+    """An exclusive lock on OUT/.lock for the run, so that a second run on the directory is refused; the OS
     drops it when the process ends, however it ends (kill -9 too). Returns the open lock file."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         f = open(out / ".lock", "a+")
     except OSError as e:
-        raise TrainError(f"--out-dir {out} is not writable ({e.strerror}); choose another or fix its "
-                         f"permissions") from None
+        raise TrainError(f"--out-dir {out} is not writable ({e.strerror}); choose another or fix its permissions")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        raise TrainError(f"{out} is in use by another run ({f.read().strip() or 'unknown'}); wait for it "
-                         f"to finish or stop it, or train into another --out-dir") from None
+        raise TrainError(f"{out} is in use by another run ({f.read().strip() or 'unknown'}); wait for it to "
+                         f"finish or stop it, or train into another --out-dir") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
@@ -369,13 +365,12 @@ def lock(out):
 
 
 def move_aside(out, prefix, steps, after=None):
-    """Move the files of `steps` into OUT/PREFIX-TIME/ (nothing a user had is deleted) with the records
-    of metrics.jsonl past step `after`, or metrics.jsonl and config.json whole when after is None."""
+    """Move the files of `steps` into OUT/PREFIX-TIME/ (nothing a user had is deleted) with the records of
+    metrics.jsonl past step `after`, or metrics.jsonl and config.json whole when after is None."""
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
     aside.mkdir()
-    for p in (p for s in steps for p in ckpt.step_files(out)[s]):
-        shutil.move(p, aside / p.name)
-    for p in (out / "metrics.jsonl", out / "config.json") if after is None else ():
+    files = ckpt.step_files(out)
+    for p in [p for s in steps for p in files[s]] + [out / "metrics.jsonl", out / "config.json"] * (after is None):
         if p.exists():
             shutil.move(p, aside / p.name)
     if after is not None:
@@ -384,9 +379,8 @@ def move_aside(out, prefix, steps, after=None):
 
 
 def split_metrics(path, step, aside=None):
-    """Keep metrics.jsonl's records of steps <= step (rewritten atomically), moving those past it to
-    `aside` or dropping them: after a resume each (kind, step) is recorded once, even when a crash made
-    steps run twice."""
+    """Keep metrics.jsonl's records of steps <= step (rewritten atomically), moving those past it to `aside`
+    or dropping them: after a resume each (kind, step) is recorded once, even if a crash ran steps twice."""
     lines = path.read_text().splitlines(keepends=True) if path.exists() else []
     keep = [line for line in lines if json.loads(line)["step"] <= step]
     if len(keep) < len(lines):
@@ -397,15 +391,15 @@ def split_metrics(path, step, aside=None):
 
 
 def resume(cfg, model, optimizer, log):
-    """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the
-    one resumed (an abandoned branch, or ones that fail verification) are moved aside first."""
+    """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the one
+    resumed (an abandoned branch, or ones that fail verification) are moved aside first."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.on and not cfg.dry_run
     files = ckpt.step_files(out)
     if cfg.resume == "never":
         if files and not cfg.overwrite:
-            raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}) and --resume never "
-                             f"was given; use --resume auto to continue that run, another --out-dir, or "
-                             f"--overwrite to move the old run aside into {out}/previous-TIME/")
+            raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}) and --resume never was "
+                             f"given; use --resume auto to continue that run, another --out-dir, or --overwrite "
+                             f"to move the old run aside into {out}/previous-TIME/")
         if files and writes:
             log(f"moved the previous run aside into {move_aside(out, 'previous', files)}")
         return None
@@ -413,9 +407,9 @@ def resume(cfg, model, optimizer, log):
         step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
         if step is None and files:
             names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
-            raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); nothing was "
-                             f"changed. Use --resume STEP to pick a step, or --resume never --overwrite to "
-                             f"move them aside into {out}/previous-TIME/ and start afresh")
+            raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); nothing was changed. "
+                             f"Use --resume STEP to pick a step, or --resume never --overwrite to move them aside "
+                             f"into {out}/previous-TIME/ and start afresh")
     else:
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
@@ -440,34 +434,29 @@ def save_checkpoint(cfg, step, model, optimizer, state):
 # the run
 
 
-def train(cfg, init=None):
-    """Run cfg; init is --init-from's (ModelConfig fields, state dict, tokenizer spec), or None."""
-    rank, world, local = setup_distributed(cfg.device)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            run(cfg, init, (rank, world, local), tmp)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run(cfg, init, ranks, tmp):
+def run(cfg, init, tmp, cleanup):
+    """Train: set up, then loop. init is --init-from's (ModelConfig fields, state dict, tokenizer spec) or
+    None; cleanup (an ExitStack) releases what the setup takes, however the run ends."""
     # --- setup: everything that can be refused is refused before the run directory is touched
-    (rank, world, local), device = ranks, f"cuda:{ranks[2]}" if cfg.device == "cuda" else "cpu"
+    rank, world, local = setup_distributed(cfg.device)
+    device = f"cuda:{local}" if cfg.device == "cuda" else "cpu"
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     if init:  # the data must fit the weights' vocabulary
         cfg = dataclasses.replace(cfg, vocab_size=init[0]["vocab_size"])
     batches, val, vocab = open_data(cfg, rank, world, tmp)
+    cleanup.callback(batches.close)
     source = batches.sources[0]
     model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, source).to(device)
-    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                                  eps=1e-8, fused=cfg.device == "cuda")
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=cfg.device == "cuda")
     out, writes = Path(cfg.out_dir), rank == 0 and not cfg.dry_run  # rank 0 alone writes
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
-    lock_file = lock(out) if writes else None
+    if writes:
+        cleanup.enter_context(lock(out))
     log = Log(cfg, rank)
+    cleanup.callback(log.close)
     meta = resume(cfg, model, optimizer, log) or dict(step=0, tokens_seen=0, skipped_steps=0, data=None)
     step, tokens_seen, skipped = meta["step"], meta["tokens_seen"], meta["skipped_steps"]
     if meta["data"] is not None:
@@ -477,11 +466,10 @@ def run(cfg, init, ranks, tmp):
     start_step, wall = step, meta.get("wall_time", 0.0)
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
-    tokenizer = source.tokenizer
     if writes:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        if tokenizer and tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
-            shutil.copy(source.path / tokenizer["file"], out / tokenizer["file"])
+        if source.tokenizer and source.tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
+            shutil.copy(source.path / source.tokenizer["file"], out / source.tokenizer["file"])
     header(log, cfg, model, batches, val)
     run_id = log.start(cfg, step, meta.get("wandb_run_id"))
 
@@ -492,133 +480,113 @@ def run(cfg, init, ranks, tmp):
         model = torch.nn.parallel.DistributedDataParallel(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     flops = raw_model.flops_per_token(cfg.seq_len)
-    gpu = torch.cuda.get_device_name() if cfg.device == "cuda" else "none"
-    peak = next((f for k, f in PEAK_FLOPS.items() if k in gpu), None)
+    peak = next((f for k, f in PEAK_FLOPS.items() if cfg.device == "cuda" and k in torch.cuda.get_device_name()), None)
     limit = EXPLODED * max(1.0, max_abs_weight(raw_model))  # weights beyond it have exploded
-
     stop = []  # SIGTERM / SIGINT: finish the current step, save, exit cleanly
-    previous = {s: signal.signal(s, lambda signum, frame: stop.append(signal.Signals(signum).name))
-                for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in (signal.SIGTERM, signal.SIGINT):
+        cleanup.callback(signal.signal, s, signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name)))
     bad_streak, rollbacks = 0, []  # non-finite steps in a row; steps restored since the last save
     window = dict(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())  # sums since the last log line
     t_start = time.time()
-    try:
-        while True:
-            last = step == cfg.max_steps
+    while True:
+        last = step == cfg.max_steps
 
-            # --- evaluate and save when due (and at the end, inside the loop so that the last step
-            # gets both); their time is kept out of the throughput figures
-            t_pause = time.time()
-            if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
-                val_loss = evaluate(model, val, cfg, rank, world)
-                ppl = math.exp(min(val_loss, 50))
-                log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step,
-                    val_loss=val_loss, val_ppl=ppl)
-            if step > start_step and (last or step % cfg.save_every == 0 or stop):
-                # poison is never saved: not in a non-finite streak, nor weights blown up while finite
-                top = max_abs_weight(raw_model)
-                why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
-                    None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
-                if why:
-                    log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved",
-                        step=step)
-                if why and not bad_streak:
-                    bad_streak = max(1, cfg.nan_guard)  # blown up while finite: roll back right away
-                elif not why and writes:
-                    t0 = time.time()
-                    save_checkpoint(cfg, step, raw_model, optimizer, dict(
-                        tokens_seen=tokens_seen, skipped_steps=skipped, optimizer_steps=step - skipped,
-                        data=batches.state_dict(), wandb_run_id=run_id, tokenizer=tokenizer,
-                        wall_time=wall + time.time() - t_start))
-                    log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)",
-                        kind="event", event="checkpoint", step=step)
-                rollbacks = rollbacks if why else []
-            window["t"] += time.time() - t_pause
-            if (stop or last) and bad_streak:
-                raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not "
-                                 f"saved; resume from the newest checkpoint in {out} with a lower --lr")
-            if stop:
-                log(f"stopped by {stop[0]} at step {step}; resume with --resume auto")
-            if stop or last:
-                break
+        # --- evaluate and save when due (and at the end, inside the loop so that the last step gets both);
+        # their time is kept out of the throughput figures
+        t_pause = time.time()
+        if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
+            val_loss = evaluate(model, val, cfg, rank, world)
+            ppl = math.exp(min(val_loss, 50))
+            log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
+                val_ppl=ppl)
+        if step > start_step and (last or step % cfg.save_every == 0 or stop):
+            # poison is never saved: not in a non-finite streak, nor weights blown up while finite
+            top = max_abs_weight(raw_model)
+            why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
+                None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
+            if why:
+                log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved", step=step)
+                bad_streak = bad_streak or max(1, cfg.nan_guard)  # blown up while finite: roll back at once
+            elif writes:
+                t0 = time.time()
+                save_checkpoint(cfg, step, raw_model, optimizer, dict(
+                    tokens_seen=tokens_seen, skipped_steps=skipped, optimizer_steps=step - skipped,
+                    data=batches.state_dict(), wandb_run_id=run_id, tokenizer=source.tokenizer,
+                    wall_time=wall + time.time() - t_start))
+                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
+                    event="checkpoint", step=step)
+            rollbacks = rollbacks if why else []
+        window["t"] += time.time() - t_pause
+        if (stop or last) and bad_streak:
+            raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
+                             f"resume from the newest checkpoint in {out} with a lower --lr")
+        if stop:
+            log(f"stopped by {stop[0]} at step {step}; resume with --resume auto")
+        if stop or last:
+            return
 
-            if not (cfg.nan_guard and bad_streak >= cfg.nan_guard):
-                # --- one optimizer step: accumulate over micro-steps, clip, update unless non-finite
-                lr = lr_at(step, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=device)
-                for m in range(batches.accum_steps):
-                    x, y = next(batches)
-                    # DDP averages gradients across ranks once per optimizer step, not per micro-step
-                    last_micro = world == 1 or m == batches.accum_steps - 1
-                    with contextlib.nullcontext() if last_micro else model.no_sync():
-                        loss = micro_step(model, x, y, autocast)
-                        (loss / batches.accum_steps).backward()
-                    loss_sum += loss.detach()
-                if world > 1:
-                    dist.all_reduce(loss_sum)  # a sum: gloo has no average
-                loss = loss_sum.item() / (batches.accum_steps * world)
-                norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-                if math.isfinite(loss) and math.isfinite(norm.item()):
-                    optimizer.step()
-                    bad_streak = 0
-                    window.update(loss=window["loss"] + loss, norm=window["norm"] + norm.item(),
-                                  good=window["good"] + 1)
-                else:
-                    skipped, bad_streak = skipped + 1, bad_streak + 1
-                    log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
-                        f"({bad_streak} in a row, {skipped} in all)[/yellow]", kind="event",
-                        event="nonfinite", step=step)
-                optimizer.zero_grad(set_to_none=True)
-                step, tokens_seen = step + 1, tokens_seen + cfg.total_batch_size
-                window["steps"] += 1
+        if not (cfg.nan_guard and bad_streak >= cfg.nan_guard):
+            # --- one optimizer step: accumulate over micro-steps, clip, update unless non-finite
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss_sum = torch.zeros((), device=device)
+            for m in range(batches.accum_steps):
+                x, y = next(batches)
+                # DDP averages gradients across ranks once per optimizer step, not per micro-step
+                with contextlib.nullcontext() if world == 1 or m == batches.accum_steps - 1 else model.no_sync():
+                    loss = micro_step(model, x, y, autocast)
+                    (loss / batches.accum_steps).backward()
+                loss_sum += loss.detach()
+            if world > 1:
+                dist.all_reduce(loss_sum)  # a sum: gloo has no average
+            loss = loss_sum.item() / (batches.accum_steps * world)
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf).item()
+            if math.isfinite(loss) and math.isfinite(norm):
+                optimizer.step()
+                bad_streak = 0
+                window.update(loss=window["loss"] + loss, norm=window["norm"] + norm, good=window["good"] + 1)
+            else:
+                skipped, bad_streak = skipped + 1, bad_streak + 1
+                log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped ({bad_streak} in a "
+                    f"row, {skipped} in all)[/yellow]", kind="event", event="nonfinite", step=step)
+            optimizer.zero_grad(set_to_none=True)
+            step, tokens_seen, window["steps"] = step + 1, tokens_seen + cfg.total_batch_size, window["steps"] + 1
 
-            # --- the NaN guard: restore the newest checkpoint that verifies; the data cursor keeps
-            # moving, so the batches that poisoned the run are not replayed
-            if cfg.nan_guard and bad_streak >= cfg.nan_guard:
-                restored, _ = ckpt.load_latest(out, raw_model, optimizer, map_location=device)
-                if restored is None:
-                    raise TrainError(f"{bad_streak} bad steps in a row at step {step} and no checkpoint in "
-                                     f"{out} to roll back to; lower --lr, check the data or raise --nan-guard")
-                log(f"[yellow]step {step}: {bad_streak} bad steps in a row, restored the weights of step "
-                    f"{restored}; the data continues from step {step}[/yellow]", kind="event",
-                    event="rollback", step=step, restored=restored)
-                rollbacks, bad_streak = rollbacks + [restored], 0
-                if rollbacks[-MAX_ROLLBACKS:] == [restored] * MAX_ROLLBACKS:
-                    raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row and the "
-                                     f"run went bad again each time (last at step {step}); lower --lr (now "
-                                     f"{cfg.lr:g}) or check the data around these steps")
-            if world > 1:  # agree on a signal, so that every rank saves and stops at the same step
-                flag = torch.tensor([float(bool(stop))], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item() and not stop:
-                    stop.append("a signal on another rank")
+        # --- the NaN guard: restore the newest checkpoint that verifies; the data cursor keeps moving, so
+        # the batches that poisoned the run are not replayed
+        if cfg.nan_guard and bad_streak >= cfg.nan_guard:
+            restored, _ = ckpt.load_latest(out, raw_model, optimizer, map_location=device)
+            if restored is None:
+                raise TrainError(f"{bad_streak} bad steps in a row at step {step} and no checkpoint in {out} to "
+                                 f"roll back to; lower --lr, check the data or raise --nan-guard")
+            log(f"[yellow]step {step}: {bad_streak} bad steps in a row, restored the weights of step {restored}; "
+                f"the data continues from step {step}[/yellow]", kind="event", event="rollback", step=step,
+                restored=restored)
+            rollbacks, bad_streak = rollbacks + [restored], 0
+            if rollbacks[-MAX_ROLLBACKS:] == [restored] * MAX_ROLLBACKS:
+                raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row and the run went "
+                                 f"bad again each time (last at step {step}); lower --lr (now {cfg.lr:g}) or "
+                                 f"check the data around these steps")
+        if world > 1:  # agree on a signal, so that every rank saves and stops at the same step
+            flag = torch.tensor([float(bool(stop))], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not stop:
+                stop.append("a signal on another rank")
 
-            # --- log: the mean loss of the steps since the last line (skipped steps excluded)
-            if log.progress is not None:
-                log.progress.update(log.task, completed=step)
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                dt, good = time.time() - window["t"], window["good"]
-                loss = window["loss"] / good if good else float("nan")
-                rec = dict(kind="train", step=step, loss=loss if good else None,
-                           ppl=math.exp(min(loss, 50)) if good else None, lr=lr_at(step - 1, cfg),
-                           grad_norm=window["norm"] / good if good else None,
-                           tok_per_s=window["steps"] * cfg.total_batch_size / dt,
-                           ms_per_step=1000 * dt / window["steps"])
-                if peak:
-                    rec["mfu"] = flops * rec["tok_per_s"] / (peak * world)
-                log(f"step {step}: loss {loss:.4f}, ppl {math.exp(min(loss, 50)):.2f}, lr {rec['lr']:.2e}, "
-                    f"grad norm {window['norm'] / max(1, good):.3f}, {rec['tok_per_s']:,.0f} tok/s, "
-                    f"{rec['ms_per_step']:.0f} ms/step" + (f", MFU {rec['mfu']:.1%}" if peak else ""), **rec)
-                window.update(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        log.close()
-        batches.close()
-        if lock_file is not None:
-            lock_file.close()
+        # --- log: the mean loss of the steps since the last line (skipped steps excluded)
+        if log.progress is not None:
+            log.progress.update(log.task, completed=step)
+        if window["steps"] and (step % cfg.log_every == 0 or step == cfg.max_steps):
+            dt, good = time.time() - window["t"], window["good"]
+            loss, norm = (window["loss"] / good, window["norm"] / good) if good else (math.nan, math.nan)
+            rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
+                       grad_norm=norm, tok_per_s=window["steps"] * cfg.total_batch_size / dt,
+                       ms_per_step=1000 * dt / window["steps"])
+            rec["mfu"] = flops * rec["tok_per_s"] / (peak * world) if peak else None
+            log(f"step {step}: loss {loss:.4f}, ppl {rec['ppl']:.2f}, lr {rec['lr']:.2e}, grad norm {norm:.3f}, "
+                f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
+                + (f", MFU {rec['mfu']:.1%}" if peak else ""), **{k: None if v != v else v for k, v in rec.items()})
+            window.update(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())
 
 
 # -----------------------------------------------------------------------------
@@ -627,14 +595,15 @@ def run(cfg, init, ranks, tmp):
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-@app.command(help=__doc__.split("\n\n")[0] + "\n\nResumes from the newest checkpoint in --out-dir by "
-             "default (--resume auto). Flags marked (preset) default to the preset's recipe.")
+@app.command(help=__doc__.split("\n\n")[0] + "\n\nResumes from the newest checkpoint in --out-dir by default "
+             "(--resume auto). Flags marked (preset) default to the preset's recipe.")
 def main(**flags):
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
         cfg = TrainConfig(**flags)
         init = official.read_pretrained(cfg.init_from) if cfg.init_from else None
-        train(resolve(cfg, init and init[0]), init)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as cleanup:
+            run(resolve(cfg, init and init[0]), init, tmp, cleanup)
     except (TrainError, data.DataError, ckpt.CheckpointError) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(str(e))}",
@@ -642,6 +611,9 @@ def main(**flags):
         raise typer.Exit(2)
     except KeyboardInterrupt:  # before training started (after it, Ctrl-C saves and exits cleanly)
         raise typer.Exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 main.__signature__ = inspect.signature(TrainConfig)  # the flags are TrainConfig's fields, written once
