@@ -35,7 +35,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from model import PRESETS, Mamba3LM, Mamba3Mixer
+from model import PRESETS, Mamba3LM, Mamba3Mixer, bf16_native, peak_flops
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
@@ -550,12 +550,12 @@ def train_step(
     import train as trainer
 
     dev = resolve_device(device)
-    dtype = ("bf16" if trainer.bf16_native(dev) else "fp32") if dtype == "auto" else dtype
+    dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
     names = [m.value for m in model] if model else (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16")
     gpu_name = torch.cuda.get_device_name() if dev == "cuda" else ""
-    peak = next((f for key, f in trainer.PEAK_FLOPS.items() if key in gpu_name), None)
+    peak = peak_flops(gpu_name)
     rows = []
     for name in names:
         recipe = trainer.RECIPES[name]

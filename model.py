@@ -12,6 +12,7 @@ recurrence per step; it reproduces the parallel forward's logits.
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
     out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
 """
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -78,6 +79,25 @@ PRESETS = {
     "880m": ModelConfig(n_layer=24, d_model=1536, mlp_hidden=3072),
     "1.5b": ModelConfig(n_layer=24, d_model=2048, mlp_hidden=4096),
 }
+
+# Dense bf16 peak FLOP/s by GPU name: MFU = flops_per_token x tokens/s / peak.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "L4": 121e12, "A10G": 125e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}
+
+
+def peak_flops(device_name):
+    """The peak of the first table entry in a GPU's name (torch.cuda.get_device_name()); None if none is."""
+    return next((flops for name, flops in PEAK_FLOPS.items() if name in device_name), None)
+
+
+def bf16_native(device):
+    """Whether bf16 autocast pays off on "cuda" or "cpu": bf16 matmuls run at several times the float32 rate on
+    GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX; there it nearly halves a step of the small preset)."""
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    with contextlib.suppress(AttributeError, RuntimeError):
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN has bf16 kernels for this CPU
+    return False
 
 
 class Mamba3Mixer(nn.Module):

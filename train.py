@@ -5,10 +5,10 @@
     torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 440m
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
 
-Read it top to bottom: the recipes (every preset's defaults), the config (which is the command line),
-the helpers the loop uses, then `run`: the setup, and the loop -- evaluate and save when due, one
-optimizer step, the NaN guard, log. A checkpoint holds all a resumed run needs to continue bit for bit:
-weights, optimizer, data position, step and RNG states.
+Read it top to bottom: the recipes (every preset's defaults), the config (which is the command line), the
+helpers the loop uses, then `run`: the setup, and the loop -- evaluate and save when due, one optimizer
+step, the NaN guard, log. A checkpoint holds all a resumed run needs to continue bit for bit: weights,
+optimizer, data position, step and RNG states.
 """
 import contextlib
 import dataclasses
@@ -41,14 +41,14 @@ from typer import Option
 import ckpt
 import data
 import official
-from model import PRESETS, Mamba3LM, ModelConfig
+from model import PRESETS, Mamba3LM, ModelConfig, bf16_native, peak_flops
 
 # -----------------------------------------------------------------------------
-# recipes: every preset's defaults, in one place
+# the recipes and the config: every preset's defaults in one table, and the flags
 
-# The GPU presets follow the paper's recipe (Mamba-2's): peak LR about 5x GPT-3's for the size,
-# context 2048, ~0.5M-token batches, and max_steps None = Chinchilla's 20 tokens per parameter. The CPU
-# presets use short contexts and small batches, so that a laptop sees the loss fall in about a minute.
+# The GPU presets follow the paper's recipe (Mamba-2's): peak LR about 5x GPT-3's for the size, context
+# 2048, ~0.5M-token batches, and max_steps None = Chinchilla's 20 tokens per parameter. The CPU presets use
+# short contexts and small batches, so that a laptop sees the loss fall in about a minute.
 RECIPES = {name: dict(zip(("lr", "seq_len", "batch_size", "total_batch_size", "max_steps", "eval_every",
                            "save_every"), values)) for name, values in [
     #           lr       seq_len  batch  tokens/step  max_steps  eval_every  save_every
@@ -58,24 +58,15 @@ RECIPES = {name: dict(zip(("lr", "seq_len", "batch_size", "total_batch_size", "m
     ("440m",   (1.5e-3,  2048,    8,     524288,      None,      250,        1000)),
     ("880m",   (1.25e-3, 2048,    4,     524288,      None,      250,        1000)),
     ("1.5b",   (1e-3,    2048,    2,     524288,      None,      250,        1000))]}
-# Dense bf16 peak FLOP/s by device name, for MFU (not shown on devices missing here).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-              "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "A10": 125e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "V100": 125e12}
 EXPLODED = 1e3  # weights this many times larger (max |w|) than at the start are poison: never saved
 MAX_ROLLBACKS = 3  # rolled back to the same checkpoint this often in a row: it cannot recover alone
+Int = Optional[int]  # None: the preset's value
 
 
 def preset(key, what):
     """Help text for a flag whose default is the preset's: the values behind "(preset)"."""
     values = ", ".join(f"{p} {r[key]:g}" if r[key] else f"{p} 20 tok/param" for p, r in RECIPES.items())
     return f"{what} [dim](preset: {values})[/dim]"
-
-
-# -----------------------------------------------------------------------------
-# the config: the command line's flags, resolved
-
-Int = Optional[int]  # None: the preset's value
 
 
 @dataclass
@@ -89,8 +80,8 @@ class TrainConfig:
                      "defaults too (default: small, or --init-from's).")] = None
     init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule, data): "
                          "a run directory or an official mamba_ssm directory.")] = None
-    reset_at_eos: Annotated[bool, Option(help="Reset the state at each document boundary (after the data's "
-                            "EOS), in training and decoding.")] = False
+    reset_at_eos: Annotated[bool, Option(help="Reset the state after the data's EOS (at document boundaries), "
+                            "in training and decoding.")] = False
     seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
     batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and micro-step."))] = None
     total_batch_size: Annotated[Int, Option(min=1, help=preset("total_batch_size", "Tokens per optimizer step "
@@ -98,8 +89,7 @@ class TrainConfig:
     max_steps: Annotated[Int, Option(min=1, help=preset("max_steps", "Optimizer steps."))] = None
     lr: Annotated[Optional[float], Option(help=preset("lr", "Peak learning rate (> 0)."))] = None
     min_lr: Annotated[float, Option(min=0, help="Final learning rate (at most --lr).")] = 1e-5
-    warmup_steps: Annotated[Int, Option(min=0, help="Linear warmup steps (default: 10% of --max-steps, at most "
-                            "2000).")] = None
+    warmup_steps: Annotated[Int, Option(min=0, help="Warmup steps (default: 10% of --max-steps, <= 2000).")] = None
     schedule: Annotated[Literal["cosine", "wsd"], Option(help="cosine: warmup, cosine decay; wsd: warmup, "
                         "stable, linear decay over the last 20%.")] = "cosine"
     weight_decay: Annotated[float, Option(min=0, help="AdamW weight decay (matrices only).")] = 0.1
@@ -118,7 +108,7 @@ class TrainConfig:
                       "that step (newer steps are moved aside).")] = "auto"
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
-    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Checkpoint every N steps and at the "
+    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Checkpoint every N steps, and at the "
                           "end."))] = None
     keep_last: Annotated[int, Option(min=0, help="Keep the newest K checkpoints; 0 keeps all.")] = 3
     eval_every: Annotated[Int, Option(min=1, help=preset("eval_every", "Evaluate every N steps."))] = None
@@ -134,52 +124,41 @@ class TrainError(Exception):
     """An expected problem with the run's settings, data or directory: printed as one paragraph."""
 
 
-def bf16_native(device):
-    # bf16 matmuls run at several times the float32 rate on GPUs and on CPUs with bf16 instructions
-    # (AVX512-BF16, AMX): there, bf16 autocast nearly halves a CPU step of the small preset
-    if device == "cuda":
-        return torch.cuda.is_bf16_supported()
-    with contextlib.suppress(AttributeError, RuntimeError):
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN has bf16 kernels for this CPU
-    return False
-
-
 def resolve(cfg, init=None):
-    """The (preset) flags from the recipe, auto settled, and what cannot work refused before anything
-    runs. With --init-from (init: its ModelConfig fields), the recipe is that of its shape's preset."""
+    """The (preset) flags from the recipe, auto settled, and what cannot work refused before anything runs.
+    With --init-from (init: its ModelConfig fields), the recipe is that of its shape's preset."""
     model = cfg.model or "small"
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
         same = [p for p, c in PRESETS.items() if all(getattr(c, k) == init[k] for k in keys)]
         if cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"]):
-            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model and --vocab-size may not change it: leave them out")
+            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); --model and "
+                             f"--vocab-size may not change it: leave them out")
         model = cfg.model or (same + ["small"])[0]
     recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         with torch.device("meta"):
-            n = Mamba3LM(PRESETS[model]).num_params()
-        recipe["max_steps"] = max(1, 20 * n // recipe["total_batch_size"])
+            recipe["max_steps"] = max(1, 20 * Mamba3LM(PRESETS[model]).num_params() // recipe["total_batch_size"])
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
-    dtype = ("bf16" if bf16_native(device) else "fp32") if cfg.dtype == "auto" else cfg.dtype
     tokens, seq_len = recipe["total_batch_size"], recipe["seq_len"]
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
     if tokens % seq_len:
-        raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len {seq_len}; "
-                         f"use a multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
+        raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len {seq_len}; use a "
+                         f"multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise TrainError(f"--resume {cfg.resume!r}: expected auto, never or a step number")
-    warmup = min(2000, max(1, recipe["max_steps"] // 10)) if cfg.warmup_steps is None else cfg.warmup_steps
-    return dataclasses.replace(cfg, **recipe, model=model, device=device, dtype=dtype,
-                               warmup_steps=warmup, min_lr=min(cfg.min_lr, recipe["lr"]),
-                               compile=device == "cuda" if cfg.compile is None else cfg.compile)
+    return dataclasses.replace(
+        cfg, **recipe, model=model, device=device, min_lr=min(cfg.min_lr, recipe["lr"]),
+        dtype=("bf16" if bf16_native(device) else "fp32") if cfg.dtype == "auto" else cfg.dtype,
+        warmup_steps=min(2000, max(1, recipe["max_steps"] // 10)) if cfg.warmup_steps is None else cfg.warmup_steps,
+        compile=device == "cuda" if cfg.compile is None else cfg.compile)
 
 
 # -----------------------------------------------------------------------------
-# setup: ranks, data, the learning rate
+# setup: ranks, data, model; the learning rate; the step's pieces
 
 
 def setup_distributed(device):
@@ -198,26 +177,22 @@ def open_data(cfg, rank, world, tmpdir):
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmpdir)
     if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the header
         val = None  # says that evaluation is off; the training itself is still worth running
-    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len,
-                           rank, world, cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu",
-                           prefetch=cfg.device == "cuda")
+    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
+                           cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu", prefetch=cfg.device == "cuda")
     return batches, val, vocab
 
 
 def build_model(cfg, init, source):
-    """The model of the preset (or of --init-from, with its weights), resetting at the data's EOS when
-    asked; init is read_pretrained's (config, state, tokenizer) or None."""
-    config = ModelConfig(**init[0]) if init else dataclasses.replace(PRESETS[cfg.model],
-                                                                     vocab_size=cfg.vocab_size)
+    """The model of the preset (or of --init-from, with its weights), resetting at the data's EOS when asked;
+    init is read_pretrained's (config, state, tokenizer) or None."""
+    config = ModelConfig(**init[0]) if init else dataclasses.replace(PRESETS[cfg.model], vocab_size=cfg.vocab_size)
     if cfg.reset_at_eos and source.eos_id is None:
         raise TrainError(f"--reset-at-eos needs data that records its EOS id (a prepare.py directory); "
                          f"{source.path} does not")
     if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
-        raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} tokenizer, "
-                         f"the data with {source.tokenizer['name']}: token ids would mean other things")
-    if cfg.reset_at_eos:
-        config = dataclasses.replace(config, reset_token=source.eos_id)
-    model = Mamba3LM(config)
+        raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} tokenizer, the "
+                         f"data with {source.tokenizer['name']}: token ids would mean other things")
+    model = Mamba3LM(dataclasses.replace(config, reset_token=source.eos_id) if cfg.reset_at_eos else config)
     if init:
         model.load_state_dict(init[1])  # weights only: the optimizer, schedule and data start afresh
     model.grad_checkpointing = cfg.grad_checkpointing
@@ -233,10 +208,6 @@ def lr_at(step, cfg):
         return cfg.lr + max(0.0, (step - start) / max(1, cfg.max_steps - start)) * (cfg.min_lr - cfg.lr)
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
-
-
-# -----------------------------------------------------------------------------
-# the step's pieces
 
 
 def micro_step(model, x, y, autocast):
@@ -480,7 +451,7 @@ def run(cfg, init, tmp, cleanup):
         model = torch.nn.parallel.DistributedDataParallel(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     flops = raw_model.flops_per_token(cfg.seq_len)
-    peak = next((f for k, f in PEAK_FLOPS.items() if cfg.device == "cuda" and k in torch.cuda.get_device_name()), None)
+    peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU; None: unknown
     limit = EXPLODED * max(1.0, max_abs_weight(raw_model))  # weights beyond it have exploded
     stop = []  # SIGTERM / SIGINT: finish the current step, save, exit cleanly
     for s in (signal.SIGTERM, signal.SIGINT):
