@@ -76,12 +76,11 @@ class TrainConfig:
     data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a nanoGPT .bin file or "
                     "directory, a shard_*.bin directory or a Megatron prefix; DIR:WEIGHT (repeated) blends; "
                     "'synthetic' is random tokens (speed tests only).")]
-    model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset, which sets the (preset) "
-                     "defaults too (default: small, or --init-from's).")] = None
+    model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset; sets the (preset) defaults "
+                     "too (default: small, or --init-from's).")] = None
     init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, schedule, data): "
                          "a run directory or an official mamba_ssm directory.")] = None
-    reset_at_eos: Annotated[bool, Option(help="Reset the state after the data's EOS (at document boundaries), "
-                            "in training and decoding.")] = False
+    reset_at_eos: Annotated[bool, Option(help="Reset the state after each EOS (document), also in decoding.")] = False
     seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
     batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and micro-step."))] = None
     total_batch_size: Annotated[Int, Option(min=1, help=preset("total_batch_size", "Tokens per optimizer step "
@@ -90,15 +89,14 @@ class TrainConfig:
     lr: Annotated[Optional[float], Option(help=preset("lr", "Peak learning rate (> 0)."))] = None
     min_lr: Annotated[float, Option(min=0, help="Final learning rate (at most --lr).")] = 1e-5
     warmup_steps: Annotated[Int, Option(min=0, help="Warmup steps (default: 10% of --max-steps, <= 2000).")] = None
-    schedule: Annotated[Literal["cosine", "wsd"], Option(help="cosine: warmup, cosine decay; wsd: warmup, "
-                        "stable, linear decay over the last 20%.")] = "cosine"
+    schedule: Annotated[Literal["cosine", "wsd"], Option(help="After warmup: cosine decay, or wsd: stable, "
+                        "then linear decay over the last 20%.")] = "cosine"
     weight_decay: Annotated[float, Option(min=0, help="AdamW weight decay (matrices only).")] = 0.1
     grad_clip: Annotated[float, Option(min=0, help="Clip the gradient norm to this; 0: never.")] = 1.0
     dtype: Annotated[Literal["auto", "bf16", "fp32"], Option(help="auto: bf16 autocast (float32 weights) where "
                      "the device has bf16 arithmetic, else fp32.")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Option(help="auto: CUDA if there is one.")] = "auto"
-    compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="torch.compile the model (default: "
-                       "on CUDA only).")] = None
+    compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="torch.compile; default: on CUDA.")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute blocks in backward: less memory.")] = False
     vocab_size: Annotated[Int, Option(min=1, help="Model vocabulary (default: the data's, else 50257).")] = None
     data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype of raw "
@@ -108,8 +106,7 @@ class TrainConfig:
                       "that step (newer steps are moved aside).")] = "auto"
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
-    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Checkpoint every N steps, and at the "
-                          "end."))] = None
+    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "Save every N steps and at the end."))] = None
     keep_last: Annotated[int, Option(min=0, help="Keep the newest K checkpoints; 0 keeps all.")] = 3
     eval_every: Annotated[Int, Option(min=1, help=preset("eval_every", "Evaluate every N steps."))] = None
     eval_batches: Annotated[int, Option(min=1, help="Micro-batches of val windows per eval.")] = 20
