@@ -332,35 +332,30 @@ def lock(out):
     return f
 
 
-def move_aside(out, prefix, steps, after=None):
-    """Move the files of `steps` into OUT/PREFIX-TIME/ (nothing a user had is deleted) with the records of
-    metrics.jsonl past step `after`, or metrics.jsonl and config.json whole when after is None."""
+def move_aside(out, prefix, paths):
+    """Move `paths` into a new OUT/PREFIX-TIME/ and return it: a branch left behind, never deleted."""
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
     aside.mkdir()
-    files = ckpt.step_files(out)
-    for p in [p for s in steps for p in files[s]] + [out / "metrics.jsonl", out / "config.json"] * (after is None):
-        if p.exists():
-            shutil.move(p, aside / p.name)
-    if after is not None:
-        split_metrics(out / "metrics.jsonl", after, aside / "metrics.jsonl")
+    for p in paths:
+        shutil.move(p, aside / p.name)
     return aside
 
 
 def split_metrics(path, step, aside=None):
-    """Keep metrics.jsonl's records of steps <= step (rewritten atomically), moving those past it to `aside`
-    or dropping them: after a resume each (kind, step) is recorded once, even if a crash ran steps twice."""
+    """Keep metrics.jsonl's records of steps <= step (rewritten atomically), moving those past it into the
+    directory `aside` or dropping them: after a resume each (kind, step) is recorded once."""
     lines = path.read_text().splitlines(keepends=True) if path.exists() else []
     keep = [line for line in lines if json.loads(line)["step"] <= step]
     if len(keep) < len(lines):
         if aside is not None:
-            aside.write_text("".join(line for line in lines if json.loads(line)["step"] > step))
+            (aside / path.name).write_text("".join(line for line in lines if json.loads(line)["step"] > step))
         path.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
         os.replace(path.with_name(".metrics.jsonl.tmp"), path)
 
 
 def resume(cfg, model, optimizer, log):
     """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the one
-    resumed (an abandoned branch, or ones that fail verification) are moved aside first."""
+    resumed (an abandoned branch, or ones that fail verification) and their records are moved aside."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.on and not cfg.dry_run
     files = ckpt.step_files(out)
     if cfg.resume == "never":
@@ -369,7 +364,8 @@ def resume(cfg, model, optimizer, log):
                              f"given; use --resume auto to continue that run, another --out-dir, or --overwrite "
                              f"to move the old run aside into {out}/previous-TIME/")
         if files and writes:
-            log(f"moved the previous run aside into {move_aside(out, 'previous', files)}")
+            run_files = [p for p in (out / "metrics.jsonl", out / "config.json") if p.exists()]
+            log(f"moved the previous run aside into {move_aside(out, 'previous', sum(files.values(), run_files))}")
         return None
     if cfg.resume == "auto":
         step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
@@ -381,12 +377,12 @@ def resume(cfg, model, optimizer, log):
     else:
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
-    newer = [s for s in files if step is not None and s > step]
-    if newer and writes:
-        log(f"[yellow]moved the newer steps {newer} and their records aside into "
-            f"{move_aside(out, 'abandoned', newer, after=step)}[/yellow]")
-    elif step is not None and writes:
-        split_metrics(out / "metrics.jsonl", step)  # the records of steps a crash made us run twice
+    if step is not None and writes:
+        newer = [s for s in files if s > step]
+        aside = move_aside(out, "abandoned", [p for s in newer for p in files[s]]) if newer else None
+        split_metrics(out / "metrics.jsonl", step, aside)  # with no branch: the records of steps run twice
+        if aside:
+            log(f"[yellow]moved the newer steps {newer} and their records aside into {aside}[/yellow]")
     if step is not None:
         log(f"resumed from {out} step {step}", kind="event", event="resume", step=step)
     return meta
