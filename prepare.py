@@ -85,8 +85,9 @@ class ByteTokenizer:
 class GPT2Tokenizer:
     """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
 
-    tiktoken downloads its BPE file on first use into TIKTOKEN_CACHE_DIR (or a temp dir); offline, put a copy
-    there under the name 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (see ../shared/tokenizers/README.md).
+    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a temp dir);
+    offline, put a copy there under the name tiktoken gives it, 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the
+    sha1 of its download URL).
     Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
     """
 
