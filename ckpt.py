@@ -187,7 +187,7 @@ def _write(path, write):
     """write(p) to the temporary name of `path`, then hash and fsync it; return its {"bytes", "sha256"}."""
     write(_tmp(path))
     with open(_tmp(path), "rb") as f, ThreadPoolExecutor(1) as pool:
-        # the disk writes while the CPU hashes: measured, this halves the cost of a hash and then an fsync
+        # the disk writes while the CPU hashes: measured, a save takes a third less than hashing, then syncing
         synced = pool.submit(os.fsync, f.fileno())
         info = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
         synced.result()
@@ -208,8 +208,9 @@ def _remove_leftovers(d):
     # save killed before its commit, a retention killed after deleting the meta). Only the one writer of d
     # calls this, so none of it can be a save in progress.
     for paths in step_files(d).values():
-        for p in paths if not any(p.suffix == ".json" for p in paths) else []:
-            p.unlink()
+        if not any(p.suffix == ".json" for p in paths):
+            for p in paths:
+                p.unlink()
     for p in d.iterdir():
         if p.name.startswith(".") and p.name.endswith(".tmp") and STEP_FILE.match(p.name[1:]):
             p.unlink()
@@ -221,7 +222,7 @@ def _retain(d, keep_last, just_written):
             continue
         if (d.resolve(), step) not in _written:
             try:
-                _verify(d, step)
+                read_meta(d, step, verify=True)
             except CheckpointError as e:
                 warnings.warn(f"retention keeps {e}", stacklevel=3)
                 continue
@@ -253,9 +254,10 @@ def list_steps(dir):
     return steps
 
 
-def read_meta(dir, step):
+def read_meta(dir, step, verify=False):
     """The meta of checkpoint `step` in `dir` after checking that its three files exist with the sizes it
-    records; nothing is loaded or hashed. A step with no files at all is an error listing the steps there."""
+    records, and with verify=True the sha256 of both data files (a mismatch is a CorruptCheckpoint); nothing
+    else is read. A step with no files at all is an error listing the steps there."""
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
     if not any((d / name).exists() for name in _names(step)):
         raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {list_steps(d) or 'none'}")
@@ -274,6 +276,19 @@ def read_meta(dir, step):
             raise CheckpointError(f"{where} is incomplete: {name} is missing")
         if (found := (d / name).stat().st_size) != size:
             raise CheckpointError(f"{where} is damaged: {name} has {found} bytes, {meta_name} says {size}")
+
+    if not verify:
+        return meta
+
+    def sha256(name):
+        with open(d / name, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
+        for name, found in zip(sizes, pool.map(sha256, sizes)):
+            if found != (want := meta["files"][name]["sha256"]):
+                raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 {found[:16]}..., "
+                                        f"{meta_name} says {want[:16]}...)")
     return meta
 
 
@@ -354,7 +369,7 @@ def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, res
 
 def _read(d, step, map_location):
     """(meta, tensors, optimizer file) of a step whose hashes match and whose files parse, or CorruptCheckpoint."""
-    meta, (model_name, optim_name, _) = _verify(d, step), _names(step)
+    meta, (model_name, optim_name, _) = read_meta(d, step, verify=True), _names(step)
     try:
         tensors = safetensors.torch.load_file(d / model_name)  # on the CPU: a second copy on a GPU may not fit
     except (safetensors.SafetensorError, OSError, ValueError) as e:
@@ -368,22 +383,6 @@ def _read(d, step, map_location):
         raise CorruptCheckpoint(f"checkpoint step {step}: {d / optim_name} matches its sha256 but cannot be "
                                 f"read ({str(e)[:200]})") from None
     return meta, tensors, state
-
-
-def _verify(d, step):
-    """The meta of `step` after checking the sizes and the sha256 of both data files (CorruptCheckpoint)."""
-    meta, names = read_meta(d, step), _names(step)
-
-    def digest(name):
-        with open(d / name, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-
-    with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-        for name, found in zip(names, pool.map(digest, names[:2])):
-            if found != (want := meta["files"][name]["sha256"]):
-                raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 {found[:16]}..., "
-                                        f"{names[2]} says {want[:16]}...)")
-    return meta
 
 
 def _config_diff(saved, module):

@@ -434,6 +434,9 @@ def test_bit_flip_fallback_warns(tmp_path):
     for step in (1, 2):
         ckpt.save(tmp_path, step, model, opt, {})
     flip_bit(tmp_path / "model_step_2.safetensors")
+    assert ckpt.read_meta(tmp_path, 2)["step"] == 2  # sizes only
+    with pytest.raises(ckpt.CorruptCheckpoint, match="model_step_2.safetensors is corrupt"):
+        ckpt.read_meta(tmp_path, 2, verify=True)
     with pytest.warns(UserWarning, match="model_step_2.safetensors is corrupt"):
         assert ckpt.load_latest(tmp_path, model, opt)[0] == 1
 
