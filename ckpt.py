@@ -276,7 +276,6 @@ def read_meta(dir, step, verify=False):
             raise CheckpointError(f"{where} is incomplete: {name} is missing")
         if (found := (d / name).stat().st_size) != size:
             raise CheckpointError(f"{where} is damaged: {name} has {found} bytes, {meta_name} says {size}")
-
     if not verify:
         return meta
 
