@@ -17,6 +17,7 @@ A step that fails verification is reported and skipped, and never deleted here.
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pickle
 import platform
@@ -136,7 +137,7 @@ def _independent(state):
 def _check_json(x, where):
     # json.dumps would quietly turn int keys into strings and write NaN, which is not JSON: a meta that does
     # not come back exactly is an error at the first save, not a surprise at resume time
-    if x is None or isinstance(x, (str, bool, int)) or (isinstance(x, float) and abs(x) < float("inf")):
+    if x is None or isinstance(x, (str, bool, int)) or (isinstance(x, float) and math.isfinite(x)):
         return
     if isinstance(x, (list, tuple)) or (isinstance(x, dict) and all(isinstance(k, str) for k in x)):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
