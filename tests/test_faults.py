@@ -33,7 +33,7 @@ def verified_steps(out):
     good = []
     for step in ckpt.list_steps(out):
         try:
-            ckpt._verify(Path(out), step)
+            ckpt.read_meta(out, step, verify=True)
             good.append(step)
         except ckpt.CheckpointError:
             pass
