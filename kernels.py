@@ -628,17 +628,18 @@ if triton is not None:
         tile and a row vector, is never built: on GPUs the (C, C) products that feed other products are laid out
         twice over (all warps along the rows), and W's extra tile and w's broadcast were what spilled. gamma / w
         lies in [0, 1] (w = gamma + the next token's beta, both >= 0; w = 0 only with gamma = 0)."""
-        return tl.where(i[:, None] == i[None, :], _gamma_over_w(gamma, w)[:, None], decay)
+        return tl.where(i[:, None] == i[None, :], _over_w(gamma, w)[:, None], decay)
 
     @triton.jit
-    def _gamma_over_w(gamma, w):
-        return tl.where(w > 0, gamma / tl.where(w > 0, w, 1.0), 0.0)
+    def _over_w(v, w):
+        # v / w where w > 0, else 0 (there v = 0 too: a token that adds nothing to the state has no w terms)
+        return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
 
     @triton.jit
-    def _pairs_store(ptr, ve, vo, j, mask):
-        # (C, NH) even and odd dims back to their interleaved columns
-        tl.store(ptr + 2 * j[None, :], ve.to(ptr.dtype.element_ty), mask=mask)
-        tl.store(ptr + 2 * j[None, :] + 1, vo.to(ptr.dtype.element_ty), mask=mask)
+    def _pairs_store(ptr, ve, vo, mask):
+        # even and odd dims back to their interleaved places (ptr: the even ones')
+        tl.store(ptr, ve.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _mixer_scalars(zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H: tl.constexpr, G: tl.constexpr,
@@ -742,16 +743,19 @@ if triton is not None:
         _mixer_fwd read, the saved states and phase carries, and dout (B, L, H*P); recomputes the chunk (dt, q, k,
         y) from zxbcdt. Writes head h's gradient columns of dzxbcdt (z, x, dd_dt, dd_A, trap) and, for what the
         heads share (B, C within a group, the angles), this head's share to part (B, L, H, 2N + S), summed by
-        _sum_heads; the parameters' gradients as per-(b, h) sums to dparam (B*H, 4N + 2), summed in torch.
+        _sum_heads; the parameters' gradients as per-(b, h, chunk) sums to dparam (B*H, nc, 4N + 2), summed in torch (a
+        running sum on chip would hold eight (N / 2,) vectors in registers through the whole walk).
         The scan's gradients are those of the forward's scaled form (Kw = w k, M from _scaled_weights, f):
             dX = (M o Q Kw^T)^T dY + f * (Kw G^T)          dM = dY X^T,  A = dM o M
             dQ = A Kw + e * (dY Sin)                       dKw = A^T Q + f * (X G),  dK = w * dKw
-            dgamma_i = dM_ii q_i . k_i                     dw_i = k_i . dKw_i - (gamma_i / w_i) dgamma_i
             R = A o (Q Kw^T) below the diagonal            df_i = x_i . (Kw G^T)_i
+            dgamma_i = dM_ii q_i . k_i                     dw_i = (sum_l R_li + df_i f_i) / w_i
             dcs_i = sum_j R_ij - sum_l R_li + e_i dY_i . (Q Sin^T)_i - df_i f_i
                     + [i = last] (sum_j df_j f_j + a <G, Sin>)
             dSin = a G + (e * dY)^T Q                      (the G of the chunk before)
-        (the diagonal's gamma / w cancels out of dw: k_i's row of dKw carries it back).
+        (R's column i and df_i f_i both carry a factor w_i, from Kw's row i; the diagonal's gamma / w does not
+        depend on w in the product, gamma_i q_i . k_i). k's phase gradient is that of the turned pairs of Kw
+        and dKw: w cancels, so k itself is not kept.
         One token's gradient needs the next chunk: beta_{cC} enters w at the last token of chunk c - 1, so each
         chunk's first token is written one iteration later (pend_*), when chunk c - 1 has its dw."""
         bh = tl.program_id(0).to(tl.int64)
@@ -761,10 +765,7 @@ if triton is not None:
         Ge, Go = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
         dcarry = tl.zeros((NH,), ACC)
         zero = tl.zeros_like(dt_bias)
-        pend_dt, pend_lam, d_dt_bias, dD = zero, zero, zero, zero
-        # [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight], even and odd dims
-        dBbe, dBbo, dCbe, dCbo = tl.zeros((NH,), ACC), tl.zeros((NH,), ACC), tl.zeros((NH,), ACC), tl.zeros((NH,), ACC)
-        dBwe, dBwo, dCwe, dCwo = tl.zeros((NH,), ACC), tl.zeros((NH,), ACC), tl.zeros((NH,), ACC), tl.zeros((NH,), ACC)
+        pend_dt, pend_lam = zero, zero
         col_dt = 2 * H * P + 2 * G * N
         col_B = 2 * H * P + (h // (H // G)) * N
         width = 2 * N + S  # of a row of part
@@ -782,7 +783,7 @@ if triton is not None:
             Qe, Qo, xCe, xCo, rC = _qk(rows, valid, col_B + G * N, j, N, Cwe, Cwo, be, bo, cos, sin, eps, NH, ACC)
             qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
-            Ke, Ko, xBe, xBo = Ke.to(DT), Ko.to(DT), xBe.to(DT), xBo.to(DT)
+            xBe, xBo = xBe.to(DT), xBo.to(DT)
             Qe, Qo, xCe, xCo = Qe.to(DT), Qo.to(DT), xCe.to(DT), xCo.to(DT)
             xz_mask = _in_bounds(valid, p, P, PP)
             xz = rows[:, None] + h * P + p[None, :]
@@ -806,8 +807,11 @@ if triton is not None:
             xz = g_rows[:, None] + h * P + p[None, :]
             tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
-            dD += tl.sum(dYX)
             dg = dYX * qk
+            # this chunk's row of dparam: [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight] (N each), d dt_bias, dD
+            prow = dparam_ptr + (bh * nc + c) * (4 * N + 2)
+            pm = j < N // 2
+            tl.store(prow + 4 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
             # the scan's gradients, one product at a time (the formulas above)
             KGt = _dot(Kwe, tl.trans(Ge), DT) + _dot(Kwo, tl.trans(Go), DT)  # (C, P)
@@ -816,22 +820,23 @@ if triton is not None:
             tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dA = _dot(dY, tl.trans(X), DT) * M
             R = tl.where(i[None, :] < i[:, None], dA * scores, 0.0)
-            dcs += tl.sum(R, axis=1) - tl.sum(R, axis=0) - df * f
+            col = tl.sum(R, axis=0)
+            dcs += tl.sum(R, axis=1) - col - df * f
+            dw = _over_w(col + df * f, w)
             dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * (tl.sum(Ge * Se.to(ACC)) + tl.sum(Go * So.to(ACC))),
                             0.0)
             # k: its phase gradient, and this head's share of dB (B is shared with the group's other heads)
             Xt = tl.trans(dA.to(DT))
             dKe = _dot(Xt, Qe, DT) + f[:, None] * _dot(X, Ge, DT)
             dKo = _dot(Xt, Qo, DT) + f[:, None] * _dot(X, Go, DT)
-            dw = tl.sum(Ke.to(ACC) * dKe + Ko.to(ACC) * dKo, axis=1) - _gamma_over_w(gamma, w) * dg
+            dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
-            dPhi = _turn_rate(dKe, dKo, Ke, Ko)
             dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
-            dBbe, dBbo = dBbe + tl.sum(dke, 0), dBbo + tl.sum(dko, 0)
-            dBwe, dBwo = dBwe + tl.sum(dke * xBe, 0), dBwo + tl.sum(dko * xBo, 0)
+            _pairs_store(prow + 2 * j, tl.sum(dke, 0), tl.sum(dko, 0), pm)
+            _pairs_store(prow + 2 * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
             share = part_ptr + ((b * L + t) * H + h)[:, None] * width
             nm = _in_bounds(valid, j, N // 2, NH)
-            _pairs_store(share, dBe, dBo, j, nm)
+            _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
             # q likewise, and the state's gradient for the chunk before
             dQe = _dot(dA.to(DT), Kwe, DT) + e[:, None] * _dot(dY, Se, DT)
             dQo = _dot(dA.to(DT), Kwo, DT) + e[:, None] * _dot(dY, So, DT)
@@ -839,9 +844,9 @@ if triton is not None:
             Ge, Go = a * Ge + _dot(dYe, Qe, DT), a * Go + _dot(dYe, Qo, DT)
             dPhi += _turn_rate(dQe, dQo, Qe, Qo)
             dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
-            dCbe, dCbo = dCbe + tl.sum(dqe, 0), dCbo + tl.sum(dqo, 0)
-            dCwe, dCwo = dCwe + tl.sum(dqe * xCe, 0), dCwo + tl.sum(dqo * xCo, 0)
-            _pairs_store(share + N, dCe, dCo, j, nm)
+            _pairs_store(prow + N + 2 * j, tl.sum(dqe, 0), tl.sum(dqo, 0), pm)
+            _pairs_store(prow + 3 * N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0), pm)
+            _pairs_store(share + N + 2 * j[None, :], dCe, dCo, nm)
             # the phases turn q and k; the last token's phase is also the next chunk's carry. dv_j = the sum of
             # dPhi_i over i >= j in j's segment (v = theta dt is what the phases add up)
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
@@ -870,27 +875,13 @@ if triton is not None:
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(dzx_ptr.dtype.element_ty), mask=t1 < L)
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + 2 * H + h, d_trap1.to(dzx_ptr.dtype.element_ty),
                      mask=t1 < L)
-            d_dt_bias += tl.where(t1 < L, d_dd_dt1, 0.0)
             # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term before token 0)
             d_dd_dt, d_trap = d_dt * dsp, dlam * lam * (1.0 - lam)
             done = valid & ((i > 0) | (t < C))  # t < C: chunk 0
             tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
             tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
-            d_dt_bias += tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
+            tl.store(prow + 4 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0) + tl.where(t1 < L, d_dd_dt1, 0.0))
             pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
-        # per (b, h): [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight] (N each), d dt_bias, dD
-        row = dparam_ptr + bh * (4 * N + 2)
-        m = j < N // 2
-        tl.store(row + 2 * j, dBbe, mask=m)
-        tl.store(row + 2 * j + 1, dBbo, mask=m)
-        tl.store(row + N + 2 * j, dCbe, mask=m)
-        tl.store(row + N + 2 * j + 1, dCbo, mask=m)
-        tl.store(row + 2 * N + 2 * j, dBwe, mask=m)
-        tl.store(row + 2 * N + 2 * j + 1, dBwo, mask=m)
-        tl.store(row + 3 * N + 2 * j, dCwe, mask=m)
-        tl.store(row + 3 * N + 2 * j + 1, dCwo, mask=m)
-        tl.store(row + 4 * N, d_dt_bias)
-        tl.store(row + 4 * N + 1, dD)
 
     @triton.jit
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
@@ -1104,7 +1095,7 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
         part = zx.new_empty(Bsz, L, H, 2 * N + S)
-        dparam = zx.new_empty(Bsz * H, 4 * N + 2, dtype=acc)
+        dparam = zx.new_empty(Bsz * H, nc, 4 * N + 2, dtype=acc)
         _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
@@ -1113,7 +1104,7 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         TB = 32
         _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
                                              TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
-    dparam = dparam.view(Bsz, H, 4 * N + 2).sum(0)  # (H, 4N + 2)
+    dparam = dparam.view(Bsz, H, nc, 4 * N + 2).sum((0, 2))  # (H, 4N + 2)
     grads = (dparam[:, 4 * N], dparam[:, 2 * N:3 * N].sum(0), dparam[:, 3 * N:4 * N].sum(0), dparam[:, :N],
              dparam[:, N:2 * N], dparam[:, 4 * N + 1])
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
