@@ -818,8 +818,9 @@ if triton is not None:
             df = tl.sum(X.to(ACC) * KGt, axis=1)
             dX = _dot(tl.trans(MS), dY, DT) + f[:, None] * KGt
             tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
-            dA = _dot(dY, tl.trans(X), DT) * M
-            R = tl.where(i[None, :] < i[:, None], dA * scores, 0.0)
+            dM = _dot(dY, tl.trans(X), DT)
+            dA = dM * M
+            R = tl.where(i[None, :] < i[:, None], dM * MS, 0.0)
             col = tl.sum(R, axis=0)
             dcs += tl.sum(R, axis=1) - col - df * f
             dw = _over_w(col + df * f, w)
