@@ -378,6 +378,16 @@ if triton is not None:
         return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
+    def _dot_acc(a, b, acc, DT: tl.constexpr):
+        # acc + a b, as _dot. An explicit accumulator where it is not itself a product: a product's result added
+        # to a zero-accumulator dot becomes that dot's accumulator, and a product that feeds another product gets
+        # the costlier layout on GPUs (see _scaled_weights).
+        a, b = a.to(DT), b.to(DT)
+        if _INTERPRETED and DT == tl.bfloat16:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+    @triton.jit
     def _last(v, i, C: tl.constexpr):
         # v's entry at i = C - 1, as a scalar (v: (C,))
         return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
@@ -816,8 +826,8 @@ if triton is not None:
             # the scan's gradients, one product at a time (the formulas above)
             KGt = _dot(Kwe, tl.trans(Ge), DT) + _dot(Kwo, tl.trans(Go), DT)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot(tl.trans(MS), dY, DT) + f[:, None] * KGt
-            tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT) + f[:, None] * KGt  # with the D skip's share
+            tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dM = _dot(dY, tl.trans(X), DT)
             dA = dM * M
             R = tl.where(i[None, :] < i[:, None], dM * MS, 0.0)
