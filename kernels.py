@@ -806,13 +806,13 @@ if triton is not None:
             scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
             QS = _dot(Qe, tl.trans(Se), DT) + _dot(Qo, tl.trans(So), DT)
             MS = M * scores
-            Y = _dot(MS, X, DT) + e[:, None] * QS
+            Y = _dot_acc(MS, X, D * X.to(ACC), DT) + e[:, None] * QS  # with the D skip
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :], mask=xz_mask,
                            other=0.0).to(ACC)
             sz = tl.sigmoid(Z)
             dY = dout * Z * sz
-            dZ = dout * (Y + D * X.to(ACC)) * sz * (1.0 + Z * (1.0 - sz))
+            dZ = dout * Y * sz * (1.0 + Z * (1.0 - sz))
             g_rows = dzx_ptr + b * sg_b + t * sg_l
             xz = g_rows[:, None] + h * P + p[None, :]
             tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
