@@ -683,8 +683,10 @@ if triton is not None:
         # per program: a loop-invariant vector broadcast to a tile would be hoisted out of the chunk loop and hold
         # registers through it.
         m, b_ptr = j < N // 2, b_ptr + h * N
-        return (tl.load(w_ptr + 2 * j, mask=m, other=0.0).to(ACC), tl.load(w_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC),
-                tl.load(b_ptr + 2 * j, mask=m, other=0.0).to(ACC), tl.load(b_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC))
+        return (tl.load(w_ptr + 2 * j, mask=m, other=0.0).to(ACC),
+                tl.load(w_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC),
+                tl.load(b_ptr + 2 * j, mask=m, other=0.0).to(ACC),
+                tl.load(b_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC))
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -834,8 +836,8 @@ if triton is not None:
             col = tl.sum(R, axis=0)
             dcs += tl.sum(R, axis=1) - col - df * f
             dw = _over_w(col + df * f, w)
-            dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * (tl.sum(Ge * Se.to(ACC)) + tl.sum(Go * So.to(ACC))),
-                            0.0)
+            GS = tl.sum(Ge * Se.to(ACC)) + tl.sum(Go * So.to(ACC))  # <G, Sin>
+            dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * GS, 0.0)
             # k: its phase gradient, and this head's share of dB (B is shared with the group's other heads)
             Xt = tl.trans(dA.to(DT))
             dKe = _dot(Xt, Qe, DT) + f[:, None] * _dot(X, Ge, DT)
@@ -1076,7 +1078,8 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size):
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
                    n_angles, chunk_size, A_floor, eps):
-    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, P, N), phase (B*H, nc, S))."""
+    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd ones, phase
+    (B*H, nc, S))."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     nc = -(-L // C)
     acc = _compute_dtype(zxbcdt)
@@ -1088,15 +1091,15 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
         _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, out, out.stride(0),
-                               out.stride(1), _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles)
+                               out.stride(1), _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N,
+                               S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states, phase,
                     headdim, ngroups, n_angles, chunk_size, A_floor, eps):
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight, d B_bias,
-    d C_bias, d D); the parameters' per-(b, h) sums are added up here."""
+    d C_bias, d D); the parameters' per-(b, h, chunk) sums are added up here."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     nc = -(-L // C)
     acc = _compute_dtype(zxbcdt)
