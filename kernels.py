@@ -343,7 +343,8 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # cross chunks in registers, not through HBM; it saves the state entering each chunk (in the dot operand dtype)
 # for the backward, which walks the chunks in reverse with the state's gradient G on chip. Token tensors are
 # read and written in place through their strides, the tokens past L in the last chunk masked; tiles are padded
-# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot). Two dtypes, both tl.constexpr: DT, the one operand
+# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot; the mixer's kernels hold N as its even and odd
+# dims, two tiles of NH >= N / 2). Two dtypes, both tl.constexpr: DT, the one operand
 # dtype of every tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the dtype of cumsums, states, scalars
 # and accumulators (float32; float64 for float64 inputs, as the oracle tests). The model's sizes (H, G, P, N, S)
 # are tl.constexpr too: index arithmetic folds, and a kernel is compiled once per model shape.
