@@ -679,15 +679,12 @@ if triton is not None:
         return (i[None, :] <= i[:, None]) & (seg[:, None] == seg[None, :])
 
     @triton.jit
-    def _norm_weight_bias(w_ptr, b_ptr, h, j, N: tl.constexpr, ACC: tl.constexpr):
-        # B's or C's norm weight and head h's bias, even and odd dims (NH,) each. Read once per chunk, not once
-        # per program: a loop-invariant vector broadcast to a tile would be hoisted out of the chunk loop and hold
-        # registers through it.
-        m, b_ptr = j < N // 2, b_ptr + h * N
-        return (tl.load(w_ptr + 2 * j, mask=m, other=0.0).to(ACC),
-                tl.load(w_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC),
-                tl.load(b_ptr + 2 * j, mask=m, other=0.0).to(ACC),
-                tl.load(b_ptr + 2 * j + 1, mask=m, other=0.0).to(ACC))
+    def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
+        # an (N,) parameter's even and odd entries (B's or C's norm weight, a head's bias), (NH,) each. Read once
+        # per chunk, not once per program: a loop-invariant vector broadcast to a tile would be hoisted out of the
+        # chunk loop and hold registers through it.
+        m = j < N // 2
+        return tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC), tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -720,9 +717,9 @@ if triton is not None:
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the phase entering the next chunk, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            we, wo, be, bo = _norm_weight_bias(Bw_ptr, Bb_ptr, h, j, N, ACC)
+            (we, wo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
             Ke, Ko, _, _, _ = _qk(rows, valid, col_B, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
-            we, wo, be, bo = _norm_weight_bias(Cw_ptr, Cb_ptr, h, j, N, ACC)
+            (we, wo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
             Qe, Qo, _, _, _ = _qk(rows, valid, col_B + G * N, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
@@ -784,15 +781,15 @@ if triton is not None:
         width = 2 * N + S  # of a row of part
         for r in range(nc):
             c = nc - 1 - r
-            t, valid, rows, seg, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, cs = _mixer_scalars(
+            t, valid, rows, seg, dt, _, _, _, _, _, _, _, _, gamma, w, cs = _mixer_scalars(
                 zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
             same = _one_segment(seg, i)
             carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
             th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, dt, seg, same, carry, ACC, HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            Bwe, Bwo, be, bo = _norm_weight_bias(Bw_ptr, Bb_ptr, h, j, N, ACC)
+            (Bwe, Bwo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
             Ke, Ko, xBe, xBo, rB = _qk(rows, valid, col_B, j, N, Bwe, Bwo, be, bo, cos, sin, eps, NH, ACC)
-            Cwe, Cwo, be, bo = _norm_weight_bias(Cw_ptr, Cb_ptr, h, j, N, ACC)
+            (Cwe, Cwo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
             Qe, Qo, xCe, xCo, rC = _qk(rows, valid, col_B + G * N, j, N, Cwe, Cwo, be, bo, cos, sin, eps, NH, ACC)
             qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
@@ -845,6 +842,7 @@ if triton is not None:
             dKo = _dot(Xt, Qo, DT) + f[:, None] * _dot(X, Go, DT)
             dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
+            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
             dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
             _pairs_store(prow + 2 * j, tl.sum(dke, 0), tl.sum(dko, 0), pm)
             _pairs_store(prow + 2 * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
@@ -857,6 +855,7 @@ if triton is not None:
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT), a * Go + _dot(dYe, Qo, DT)
             dPhi += _turn_rate(dQe, dQo, Qe, Qo)
+            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
             dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
             _pairs_store(prow + N + 2 * j, tl.sum(dqe, 0), tl.sum(dqo, 0), pm)
             _pairs_store(prow + 3 * N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0), pm)
@@ -875,6 +874,9 @@ if triton is not None:
             # the per-token scalars: log_a = A dt (cs is its running sum), gamma = lam dt, beta = (1 - lam) dt,
             # theta dt in the phases; w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
             dla = tl.cumsum(dcs, 0, reverse=True)
+            # the per-token scalars again (five loads a token): cheaper than holding them through the chunk
+            _, _, _, _, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, _, _, _ = _mixer_scalars(
+                zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
             dgamma = dg + dw
             dbeta = _shift_down(dw, i)
             d_dt = dla * A + dgamma * lam + dbeta * (1.0 - lam) + tl.sum(dv * _PI * th, axis=1)
