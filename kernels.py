@@ -343,7 +343,8 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # cross chunks in registers, not through HBM; it saves the state entering each chunk (in the dot operand dtype)
 # for the backward, which walks the chunks in reverse with the state's gradient G on chip. Token tensors are
 # read and written in place through their strides, the tokens past L in the last chunk masked; tiles are padded
-# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot). Two dtypes, both tl.constexpr: DT, the one operand
+# to powers of 2 (PP >= P, NP >= N, at least 16 for tl.dot; the mixer's kernels hold N as its even and odd
+# dims, two tiles of NH >= N / 2). Two dtypes, both tl.constexpr: DT, the one operand
 # dtype of every tl.dot (the inputs' dtype: bf16, fp16 or fp32), and ACC, the dtype of cumsums, states, scalars
 # and accumulators (float32; float64 for float64 inputs, as the oracle tests). The model's sizes (H, G, P, N, S)
 # are tl.constexpr too: index arithmetic folds, and a kernel is compiled once per model shape.
@@ -376,6 +377,16 @@ if triton is not None:
             # exactly what a GPU's bf16 dot with float32 accumulation gives
             a, b = a.to(tl.float32), b.to(tl.float32)
         return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _dot_acc(a, b, acc, DT: tl.constexpr):
+        # acc + a b, as _dot. An explicit accumulator where it is not itself a product: a product's result added
+        # to a zero-accumulator dot becomes that dot's accumulator, and a product that feeds another product gets
+        # the costlier layout on GPUs (see _scaled_weights).
+        a, b = a.to(DT), b.to(DT)
+        if _INTERPRETED and DT == tl.bfloat16:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee")
 
     @triton.jit
     def _last(v, i, C: tl.constexpr):
@@ -576,17 +587,9 @@ if triton is not None:
         return tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
 
     @triton.jit
-    def _rotate(v, cos, sin, C: tl.constexpr, NP: tl.constexpr):
-        # turn each pair (2j, 2j+1) of v (C, NP) by the angle whose cos and sin (C, NP / 2) are given
-        v0, v1 = tl.split(tl.reshape(v, (C, NP // 2, 2)))
-        return tl.reshape(tl.join(v0 * cos - v1 * sin, v0 * sin + v1 * cos), (C, NP))
-
-    @triton.jit
-    def _turn_rate(dv, v, C: tl.constexpr, NP: tl.constexpr):
+    def _turn_rate(dve, dvo, ve, vo):
         # d/dPhi of turned pairs: a turned pair (v0, v1) moves as (-v1, v0), so the phase gets dv1 v0 - dv0 v1
-        v0, v1 = tl.split(tl.reshape(v, (C, NP // 2, 2)))
-        dv0, dv1 = tl.split(tl.reshape(dv, (C, NP // 2, 2)))
-        return dv1 * v0 - dv0 * v1
+        return dvo * ve - dve * vo
 
     @triton.jit
     def _phase(rows, valid, col_ang, S, j, dt, seg, same, carry, ACC: tl.constexpr, HAS_RESET: tl.constexpr):
@@ -603,25 +606,51 @@ if triton is not None:
         return th, Phi + tl.where((seg == 0)[:, None], carry[None, :], 0.0)
 
     @triton.jit
-    def _qk(rows, valid, col, n, N: tl.constexpr, weight, bias, cos, sin, eps, C: tl.constexpr, NP: tl.constexpr,
+    def _qk(rows, valid, col, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
             ACC: tl.constexpr):
-        """One head's k (from B's columns at col) or q (from C's): RMS-normalised over N, times the norm weight,
-        plus the head's bias, turned by the phases (pad rows are zeros). Also returns what the backward needs
-        besides: the normalised rows and 1 / rms."""
-        xb = tl.load(rows[:, None] + col + n[None, :], mask=_in_bounds(valid, n, N, NP), other=0.0).to(ACC)
-        rstd = 1.0 / tl.sqrt(tl.sum(xb * xb, 1) / N + eps)
-        xh = xb * rstd[:, None]
-        turned = _rotate(xh * weight[None, :] + bias[None, :], cos, sin, C, NP)
-        return tl.where(valid[:, None], turned, 0.0), xh, rstd
+        """One head's k (from B's columns at col) or q (from C's) as its even and odd dims, (C, NH) each:
+        RMS-normalised over N, times the norm weight, plus the head's bias, each pair (2j, 2j + 1) turned by its
+        phase (pad rows are zeros). Also returns what the backward needs besides: the normalised dims and 1 / rms.
+        Two strided loads instead of one (C, N) tile: a pair's halves then sit in two tiles of one layout, and the
+        turn is elementwise, with no reshape or shuffle between layouts."""
+        ptr = rows[:, None] + col + 2 * j[None, :]
+        mask = _in_bounds(valid, j, N // 2, NH)
+        xe = tl.load(ptr, mask=mask, other=0.0).to(ACC)
+        xo = tl.load(ptr + 1, mask=mask, other=0.0).to(ACC)
+        rstd = 1.0 / tl.sqrt((tl.sum(xe * xe, 1) + tl.sum(xo * xo, 1)) / N + eps)
+        he, ho = xe * rstd[:, None], xo * rstd[:, None]
+        ve, vo = he * we[None, :] + be[None, :], ho * wo[None, :] + bo[None, :]
+        keep = valid[:, None]
+        return tl.where(keep, ve * cos - vo * sin, 0.0), tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
 
     @triton.jit
-    def _qk_backward(dV, cos, sin, xh, rstd, weight, N, C: tl.constexpr, NP: tl.constexpr):
-        # from a turned q or k's gradient to that of the un-turned vector (= the bias's) and of the B or C row:
-        # turn back, then through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
-        dv = _rotate(dV, cos, -sin, C, NP)
-        dh = dv * weight[None, :]
-        mean = (tl.sum(dh * xh, 1) / N)[:, None]
-        return dv, rstd[:, None] * (dh - xh * mean)
+    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, we, wo, N):
+        # from a turned q or k's gradient (even and odd dims) to that of the un-turned vector (= the bias's) and
+        # of the B or C row: turn back, then through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
+        dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
+        dhe, dho = dve * we[None, :], dvo * wo[None, :]
+        mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
+        return dve, dvo, rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
+
+    @triton.jit
+    def _scaled_weights(decay, gamma, w, i):
+        """M, the chunk's weights for k's rows scaled by w (Kw = w k): decay below the diagonal, gamma / w on it,
+        so that M o (Q Kw^T) = W o (Q K^T) (see _decays) and (X u)^T K = (X f)^T Kw. Then W, a product of a (C, C)
+        tile and a row vector, is never built: on GPUs the (C, C) products that feed other products are laid out
+        twice over (all warps along the rows), and W's extra tile and w's broadcast were what spilled. gamma / w
+        lies in [0, 1] (w = gamma + the next token's beta, both >= 0; w = 0 only with gamma = 0)."""
+        return tl.where(i[:, None] == i[None, :], _over_w(gamma, w)[:, None], decay)
+
+    @triton.jit
+    def _over_w(v, w):
+        # v / w where w > 0, else 0 (there v = 0 too: a token that adds nothing to the state has no w terms)
+        return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
+
+    @triton.jit
+    def _pairs_store(ptr, ve, vo, mask):
+        # even and odd dims back to their interleaved places (ptr: the even ones')
+        tl.store(ptr, ve.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _mixer_scalars(zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H: tl.constexpr, G: tl.constexpr,
@@ -650,30 +679,33 @@ if triton is not None:
         return (i[None, :] <= i[:, None]) & (seg[:, None] == seg[None, :])
 
     @triton.jit
-    def _norm_weight_bias(w_ptr, b_ptr, h, n, N: tl.constexpr, ACC: tl.constexpr):
-        # B's or C's norm weight and head h's bias (NP,). Read once per chunk, not once per program: a loop-
-        # invariant vector broadcast to a tile would be hoisted out of the chunk loop and hold registers through it.
-        return (tl.load(w_ptr + n, mask=n < N, other=0.0).to(ACC),
-                tl.load(b_ptr + h * N + n, mask=n < N, other=0.0).to(ACC))
+    def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
+        # an (N,) parameter's even and odd entries (B's or C's norm weight, a head's bias), (NH,) each. Read once
+        # per chunk, not once per program: a loop-invariant vector broadcast to a tile would be hoisted out of the
+        # chunk loop and hold registers through it.
+        m = j < N // 2
+        return tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC), tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
                    out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor, eps,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
-                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of in_proj's
         output zxbcdt (B, L, 2HP + 2GN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's B and C; the angles), the
         parameters and reset (B, L) if any; computes dt, A, the trapezoid, the phases, q and k in registers, runs
         the scan with the (P, N) state on chip, adds D x, gates with silu(z) and writes out (B, L, H*P). Saves only
         what the backward cannot recompute from zxbcdt: the state entering each chunk, in DT (the descriptor
-        `states` over (B*H*nc*PP, NP), padded tiles), and the phase entering each chunk (B*H, nc, S)."""
+        `states` over (B*H*nc*PP, 2NH), padded tiles, even state dims in the first NH columns, odd ones in the
+        next), and the phase entering each chunk (B*H, nc, S). q, k and the state are kept as their even and odd
+        dims, two tiles each (see _qk): a product over N is the sum of two products over N / 2."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
-        i, p, n, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP), tl.arange(0, NP // 2)
+        i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        state = tl.zeros((PP, NP), ACC)
-        carry = tl.zeros((NP // 2,), ACC)
+        Se, So = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
+        carry = tl.zeros((NH,), ACC)
         col_B = 2 * H * P + (h // (H // G)) * N  # the head's group's B; its C follows G*N columns later
         for c in range(nc):
             t, valid, rows, seg, dt, _, _, _, _, _, _, _, A, gamma, w, cs = _mixer_scalars(
@@ -685,17 +717,25 @@ if triton is not None:
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the phase entering the next chunk, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            weight, bias = _norm_weight_bias(Bw_ptr, Bb_ptr, h, n, N, ACC)
-            K = _qk(rows, valid, col_B, n, N, weight, bias, cos, sin, eps, C, NP, ACC)[0].to(DT)
-            weight, bias = _norm_weight_bias(Cw_ptr, Cb_ptr, h, n, N, ACC)
-            Q = _qk(rows, valid, col_B + G * N, n, N, weight, bias, cos, sin, eps, C, NP, ACC)[0].to(DT)
-            # the scan, the D skip and the gate
-            _, _, W, e, _, u, a = _decays(cs, w, gamma, seg, i, C)
+            (we, wo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
+            Ke, Ko, _, _, _ = _qk(rows, valid, col_B, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
+            (we, wo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
+            Qe, Qo, _, _, _ = _qk(rows, valid, col_B + G * N, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
+            Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
+            Qe, Qo = Qe.to(DT), Qo.to(DT)
+            # the scan (in the scaled form of _scaled_weights), the D skip and the gate
+            _, decay, _, e, f, _, a = _decays(cs, w, gamma, seg, i, C)
             xz = rows[:, None] + h * P + p[None, :]
             xz_mask = _in_bounds(valid, p, P, PP)
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
-            states.store([((bh * nc + c) * PP).to(tl.int32), 0], state.to(DT))
-            Y, state = _chunk_forward(Q, K, X, state, W, e, u, a, DT)
+            row = ((bh * nc + c) * PP).to(tl.int32)
+            states.store([row, 0], Se.to(DT))
+            states.store([row, NH], So.to(DT))
+            scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
+            QS = _dot(Qe, tl.trans(Se.to(DT)), DT) + _dot(Qo, tl.trans(So.to(DT)), DT)
+            Y = _dot(_scaled_weights(decay, gamma, w, i) * scores, X, DT) + e[:, None] * QS
+            Xf = tl.trans((X * f[:, None]).to(DT))
+            Se, So = a * Se + _dot(Xf, Kwe, DT), a * So + _dot(Xf, Kwo, DT)
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             out = (Y + D * X.to(ACC)) * Z * tl.sigmoid(Z)
             tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :], out.to(out_ptr.dtype.element_ty),
@@ -706,92 +746,120 @@ if triton is not None:
                    dout_ptr, sd_b, sd_l, states, phase_ptr, dzx_ptr, sg_b, sg_l, part_ptr, dparam_ptr,
                    L, nc, A_floor, eps,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
-                   C: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region backward, one program per (b, h) walking the chunks in reverse with G (the gradient
-        of the state leaving the chunk) and the phase carry's gradient on chip. Reads what _mixer_fwd read, the
-        saved states and phase carries, and dout (B, L, H*P); recomputes the chunk (dt, q, k, y) from zxbcdt.
-        Writes head h's gradient columns of dzxbcdt (z, x, dd_dt, dd_A, trap) and, for what the heads share
-        (B, C within a group, the angles), this head's share to part (B, L, H, 2N + S), summed by _sum_heads;
-        the parameters' gradients as per-(b, h) sums to dparam (B*H, 4N + 2), summed in torch.
+        of the state leaving the chunk, as even and odd dims) and the phase carry's gradient on chip. Reads what
+        _mixer_fwd read, the saved states and phase carries, and dout (B, L, H*P); recomputes the chunk (dt, q, k,
+        y) from zxbcdt. Writes head h's gradient columns of dzxbcdt (z, x, dd_dt, dd_A, trap) and, for what the
+        heads share (B, C within a group, the angles), this head's share to part (B, L, H, 2N + S), summed by
+        _sum_heads; the parameters' gradients as per-(b, h, chunk) sums to dparam (B*H, nc, 4N + 2), summed in torch (a
+        running sum on chip would hold eight (N / 2,) vectors in registers through the whole walk).
+        The scan's gradients are those of the forward's scaled form (Kw = w k, M from _scaled_weights, f):
+            dX = (M o Q Kw^T)^T dY + f * (Kw G^T)          dM = dY X^T,  A = dM o M
+            dQ = A Kw + e * (dY Sin)                       dKw = A^T Q + f * (X G),  dK = w * dKw
+            R = A o (Q Kw^T) below the diagonal            df_i = x_i . (Kw G^T)_i
+            dgamma_i = dM_ii q_i . k_i                     dw_i = (sum_l R_li + df_i f_i) / w_i
+            dcs_i = sum_j R_ij - sum_l R_li + e_i dY_i . (Q Sin^T)_i - df_i f_i
+                    + [i = last] (sum_j df_j f_j + a <G, Sin>)
+            dSin = a G + (e * dY)^T Q                      (the G of the chunk before)
+        (R's column i and df_i f_i both carry a factor w_i, from Kw's row i; the diagonal's gamma / w does not
+        depend on w in the product, gamma_i q_i . k_i). k's phase gradient is that of the turned pairs of Kw
+        and dKw: w cancels, so k itself is not kept.
         One token's gradient needs the next chunk: beta_{cC} enters w at the last token of chunk c - 1, so each
         chunk's first token is written one iteration later (pend_*), when chunk c - 1 has its dw."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
-        i, p, n, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NP), tl.arange(0, NP // 2)
+        i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        G_state = tl.zeros((PP, NP), ACC)
-        dcarry = tl.zeros((NP // 2,), ACC)
+        Ge, Go = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
+        dcarry = tl.zeros((NH,), ACC)
         zero = tl.zeros_like(dt_bias)
-        pend_dt, pend_lam, d_dt_bias, dD = zero, zero, zero, zero
-        dB_bias, dC_bias = tl.zeros((NP,), ACC), tl.zeros((NP,), ACC)
-        dB_weight, dC_weight = tl.zeros((NP,), ACC), tl.zeros((NP,), ACC)
+        pend_dt, pend_lam = zero, zero
         col_dt = 2 * H * P + 2 * G * N
         col_B = 2 * H * P + (h // (H // G)) * N
         width = 2 * N + S  # of a row of part
         for r in range(nc):
             c = nc - 1 - r
-            t, valid, rows, seg, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, cs = _mixer_scalars(
+            t, valid, rows, seg, dt, _, _, _, _, _, _, _, _, gamma, w, cs = _mixer_scalars(
                 zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
             same = _one_segment(seg, i)
             carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
             th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, dt, seg, same, carry, ACC, HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            B_weight, bias = _norm_weight_bias(Bw_ptr, Bb_ptr, h, n, N, ACC)
-            K, xBh, rB = _qk(rows, valid, col_B, n, N, B_weight, bias, cos, sin, eps, C, NP, ACC)
-            K, xBh = K.to(DT), xBh.to(DT)
-            C_weight, bias = _norm_weight_bias(Cw_ptr, Cb_ptr, h, n, N, ACC)
-            Q, xCh, rC = _qk(rows, valid, col_B + G * N, n, N, C_weight, bias, cos, sin, eps, C, NP, ACC)
-            Q, xCh = Q.to(DT), xCh.to(DT)
+            (Bwe, Bwo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
+            Ke, Ko, xBe, xBo, rB = _qk(rows, valid, col_B, j, N, Bwe, Bwo, be, bo, cos, sin, eps, NH, ACC)
+            (Cwe, Cwo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
+            Qe, Qo, xCe, xCo, rC = _qk(rows, valid, col_B + G * N, j, N, Cwe, Cwo, be, bo, cos, sin, eps, NH, ACC)
+            qk = tl.sum(Qe * Ke + Qo * Ko, 1)
+            Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
+            xBe, xBo = xBe.to(DT), xBo.to(DT)
+            Qe, Qo, xCe, xCo = Qe.to(DT), Qo.to(DT), xCe.to(DT), xCo.to(DT)
             xz_mask = _in_bounds(valid, p, P, PP)
             xz = rows[:, None] + h * P + p[None, :]
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
-            Sin = states.load([((bh * nc + c) * PP).to(tl.int32), 0])
+            row = ((bh * nc + c) * PP).to(tl.int32)
+            Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
-            _, decay, W, e, f, u, a = _decays(cs, w, gamma, seg, i, C)
-            scores = _dot(Q, tl.trans(K), DT)
-            QS = _dot(Q, tl.trans(Sin), DT)
-            Y = _dot(W * scores, X, DT) + e[:, None] * QS
+            _, decay, _, e, f, _, a = _decays(cs, w, gamma, seg, i, C)
+            M = _scaled_weights(decay, gamma, w, i)
+            scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
+            QS = _dot(Qe, tl.trans(Se), DT) + _dot(Qo, tl.trans(So), DT)
+            MS = M * scores
+            Y = _dot_acc(MS, X, D * X.to(ACC), DT) + e[:, None] * QS  # with the D skip
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :], mask=xz_mask,
                            other=0.0).to(ACC)
             sz = tl.sigmoid(Z)
             dY = dout * Z * sz
-            dZ = dout * (Y + D * X.to(ACC)) * sz * (1.0 + Z * (1.0 - sz))
+            dZ = dout * Y * sz * (1.0 + Z * (1.0 - sz))
             g_rows = dzx_ptr + b * sg_b + t * sg_l
             xz = g_rows[:, None] + h * P + p[None, :]
             tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
-            dD += tl.sum(dY * X.to(ACC))
+            dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
+            dg = dYX * qk
+            # this chunk's row of dparam: [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight] (N each), d dt_bias, dD
+            prow = dparam_ptr + (bh * nc + c) * (4 * N + 2)
+            pm = j < N // 2
+            tl.store(prow + 4 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
-            # the scan's gradients, one product at a time (see _chunk_backward for the formulas)
-            KGt = _dot(K, tl.trans(G_state), DT)  # (C, P)
-            du = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot(tl.trans(W * scores), dY, DT) + u[:, None] * KGt
-            tl.store(xz + H * P, (dX + D * dY).to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            # the scan's gradients, one product at a time (the formulas above)
+            KGt = _dot(Kwe, tl.trans(Ge), DT) + _dot(Kwo, tl.trans(Go), DT)  # (C, P)
+            df = tl.sum(X.to(ACC) * KGt, axis=1)
+            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT) + f[:, None] * KGt  # with the D skip's share
+            tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dM = _dot(dY, tl.trans(X), DT)
-            dWs = dM * W
-            dMs = dM * scores
-            R = tl.where(i[None, :] < i[:, None], dMs * decay, 0.0)
+            dA = dM * M
+            R = tl.where(i[None, :] < i[:, None], dM * MS, 0.0)
             col = tl.sum(R, axis=0)
-            dg = tl.sum(tl.where(i[:, None] == i[None, :], dMs, 0.0), axis=1)
-            dw = col + du * f
-            dcs += tl.sum(R * w[None, :], axis=1) - w * col - du * u
-            dcs += tl.where(i == C - 1, tl.sum(du * u, axis=0) + a * tl.sum(G_state * Sin.to(ACC)), 0.0)
+            dcs += tl.sum(R, axis=1) - col - df * f
+            dw = _over_w(col + df * f, w)
+            GS = tl.sum(Ge * Se.to(ACC)) + tl.sum(Go * So.to(ACC))  # <G, Sin>
+            dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * GS, 0.0)
             # k: its phase gradient, and this head's share of dB (B is shared with the group's other heads)
-            dK = _dot(tl.trans(dWs), Q, DT) + u[:, None] * _dot(X, G_state, DT)
-            dPhi = _turn_rate(dK, K, C, NP)
-            dk, dBm = _qk_backward(dK, cos, sin, xBh, rB, B_weight, N, C, NP)
-            dB_bias, dB_weight = dB_bias + tl.sum(dk, 0), dB_weight + tl.sum(dk * xBh, 0)
+            Xt = tl.trans(dA.to(DT))
+            dKe = _dot(Xt, Qe, DT) + f[:, None] * _dot(X, Ge, DT)
+            dKo = _dot(Xt, Qo, DT) + f[:, None] * _dot(X, Go, DT)
+            dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
+            dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
+            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
+            dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
+            _pairs_store(prow + 2 * j, tl.sum(dke, 0), tl.sum(dko, 0), pm)
+            _pairs_store(prow + 2 * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
             share = part_ptr + ((b * L + t) * H + h)[:, None] * width
-            nm = _in_bounds(valid, n, N, NP)
-            tl.store(share + n[None, :], dBm.to(part_ptr.dtype.element_ty), mask=nm)
+            nm = _in_bounds(valid, j, N // 2, NH)
+            _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
             # q likewise, and the state's gradient for the chunk before
-            dQ = _dot(dWs, K, DT) + e[:, None] * _dot(dY, Sin, DT)
-            G_state = a * G_state + _dot(tl.trans(dY * e[:, None]), Q, DT)
-            dPhi += _turn_rate(dQ, Q, C, NP)
-            dq, dCm = _qk_backward(dQ, cos, sin, xCh, rC, C_weight, N, C, NP)
-            dC_bias, dC_weight = dC_bias + tl.sum(dq, 0), dC_weight + tl.sum(dq * xCh, 0)
-            tl.store(share + N + n[None, :], dCm.to(part_ptr.dtype.element_ty), mask=nm)
+            dQe = _dot(dA.to(DT), Kwe, DT) + e[:, None] * _dot(dY, Se, DT)
+            dQo = _dot(dA.to(DT), Kwo, DT) + e[:, None] * _dot(dY, So, DT)
+            dYe = tl.trans((dY * e[:, None]).to(DT))
+            Ge, Go = a * Ge + _dot(dYe, Qe, DT), a * Go + _dot(dYe, Qo, DT)
+            dPhi += _turn_rate(dQe, dQo, Qe, Qo)
+            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
+            dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
+            _pairs_store(prow + N + 2 * j, tl.sum(dqe, 0), tl.sum(dqo, 0), pm)
+            _pairs_store(prow + 3 * N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0), pm)
+            _pairs_store(share + N + 2 * j[None, :], dCe, dCo, nm)
             # the phases turn q and k; the last token's phase is also the next chunk's carry. dv_j = the sum of
             # dPhi_i over i >= j in j's segment (v = theta dt is what the phases add up)
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
@@ -806,6 +874,9 @@ if triton is not None:
             # the per-token scalars: log_a = A dt (cs is its running sum), gamma = lam dt, beta = (1 - lam) dt,
             # theta dt in the phases; w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
             dla = tl.cumsum(dcs, 0, reverse=True)
+            # the per-token scalars again (five loads a token): cheaper than holding them through the chunk
+            _, _, _, _, dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, _, _, _ = _mixer_scalars(
+                zx_ptr, s_b, s_l, reset_ptr, b, h, c, L, dt_bias, A_floor, i, H, G, P, N, C, ACC, HAS_RESET)
             dgamma = dg + dw
             dbeta = _shift_down(dw, i)
             d_dt = dla * A + dgamma * lam + dbeta * (1.0 - lam) + tl.sum(dv * _PI * th, axis=1)
@@ -820,22 +891,13 @@ if triton is not None:
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(dzx_ptr.dtype.element_ty), mask=t1 < L)
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + 2 * H + h, d_trap1.to(dzx_ptr.dtype.element_ty),
                      mask=t1 < L)
-            d_dt_bias += tl.where(t1 < L, d_dd_dt1, 0.0)
             # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term before token 0)
             d_dd_dt, d_trap = d_dt * dsp, dlam * lam * (1.0 - lam)
             done = valid & ((i > 0) | (t < C))  # t < C: chunk 0
             tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
             tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
-            d_dt_bias += tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
+            tl.store(prow + 4 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0) + tl.where(t1 < L, d_dd_dt1, 0.0))
             pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
-        # per (b, h): [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight] (N each), d dt_bias, dD
-        row = dparam_ptr + bh * (4 * N + 2)
-        tl.store(row + n, dB_bias, mask=n < N)
-        tl.store(row + N + n, dC_bias, mask=n < N)
-        tl.store(row + 2 * N + n, dB_weight, mask=n < N)
-        tl.store(row + 3 * N + n, dC_weight, mask=n < N)
-        tl.store(row + 4 * N, d_dt_bias)
-        tl.store(row + 4 * N + 1, dD)
 
     @triton.jit
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
@@ -881,6 +943,20 @@ def _tiles(C, P, N, dot_dtype, acc_dtype):
     PP, NP = _pow2(P), _pow2(N)
     return dict(C=C, PP=PP, NP=NP, DT=_TL_DTYPE[dot_dtype], ACC=_TL_DTYPE[acc_dtype],
                 num_warps=8 if C * max(PP, NP) >= 64 * 64 else 4, num_stages=1)
+
+
+def _mixer_tiles(C, P, N, dot_dtype, acc_dtype):
+    """_tiles for the mixer kernels, which hold q, k and the state as their even and odd dims: NH, the tile of
+    N / 2 (at least 16, tl.dot's minimum) in place of NP."""
+    tiles = _tiles(C, P, N, dot_dtype, acc_dtype)
+    tiles["NH"] = _pow2(N // 2)
+    del tiles["NP"]
+    return tiles
+
+
+def _halves(states, tiles):
+    # a descriptor that moves one (PP, NH) half of a saved mixer state per load or store
+    return TensorDescriptor.from_tensor(states.view(-1, 2 * tiles["NH"]), [tiles["PP"], tiles["NH"]])
 
 
 def _state_tiles(BH, nc, tiles, dtype, device):
@@ -1005,46 +1081,47 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size):
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
                    n_angles, chunk_size, A_floor, eps):
-    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, P, N), phase (B*H, nc, S))."""
+    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd ones, phase
+    (B*H, nc, S))."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     nc = -(-L // C)
     acc = _compute_dtype(zxbcdt)
-    tiles = _tiles(C, P, N, zxbcdt.dtype, acc)
+    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, acc)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         out = zx.new_empty(Bsz, L, H * P)
-        states, states_desc = _state_tiles(Bsz * H, nc, tiles, zx.dtype, zx.device)
+        states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
         _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, out, out.stride(0),
-                               out.stride(1), states_desc, phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles)
+                               out.stride(1), _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N,
+                               S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states, phase,
                     headdim, ngroups, n_angles, chunk_size, A_floor, eps):
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight, d B_bias,
-    d C_bias, d D); the parameters' per-(b, h) sums are added up here."""
+    d C_bias, d D); the parameters' per-(b, h, chunk) sums are added up here."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     nc = -(-L // C)
     acc = _compute_dtype(zxbcdt)
-    tiles = _tiles(C, P, N, zxbcdt.dtype, acc)
+    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, acc)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
         part = zx.new_empty(Bsz, L, H, 2 * N + S)
-        dparam = zx.new_empty(Bsz * H, 4 * N + 2, dtype=acc)
+        dparam = zx.new_empty(Bsz * H, nc, 4 * N + 2, dtype=acc)
         _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
-                               dout.stride(1), _descriptor(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
+                               dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
                                part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
                                HAS_RESET=reset is not None, **tiles)
         TB = 32
         _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
                                              TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
-    dparam = dparam.view(Bsz, H, 4 * N + 2).sum(0)  # (H, 4N + 2)
+    dparam = dparam.view(Bsz, H, nc, 4 * N + 2).sum((0, 2))  # (H, 4N + 2)
     grads = (dparam[:, 4 * N], dparam[:, 2 * N:3 * N].sum(0), dparam[:, 3 * N:4 * N].sum(0), dparam[:, :N],
              dparam[:, N:2 * N], dparam[:, 4 * N + 1])
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
@@ -1069,7 +1146,7 @@ if triton is not None:
         Bsz, L, _ = zxbcdt.shape
         H, N = B_bias.shape
         nc = -(-L // chunk_size)
-        return (zxbcdt.new_empty(Bsz, L, H * headdim), zxbcdt.new_empty(Bsz * H, nc, _pow2(headdim), _pow2(N)),
+        return (zxbcdt.new_empty(Bsz, L, H * headdim), zxbcdt.new_empty(Bsz * H, nc, _pow2(headdim), 2 * _pow2(N // 2)),
                 zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
 
     @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())

@@ -164,10 +164,9 @@ def test_every_kernel_the_layer_launches_compiles_for_sm90():
         assert 0 < r["registers"] <= 255 and r["arch"] == 90
     # every kernel with a tl.dot gets wgmma on sm_90
     assert all(r["wgmma"] for r in rows if r["dot"]), [r["kernel"] for r in rows if r["dot"] and not r["wgmma"]]
-    # The fused kernels still spill at the 440m shape (the backward most: the register file cannot hold its
-    # tiles at P 64, N 128, C 64); the figures are in BENCHMARKS.md. No more spilling than today (the forward
-    # bound is its launch with an unaligned first tensor, below):
-    limit = {"_mixer_fwd": 432, "_mixer_bwd": 4528, "_scan_fwd": 512, "_scan_bwd": 2048, "_sum_heads": 0}
+    # The fused forward fits the register file at the 440m shape (aligned or not); the backward still spills (its
+    # tiles at P 64, N 128, C 64 do not fit); the figures are in BENCHMARKS.md. No more spilling than today:
+    limit = {"_mixer_fwd": 0, "_mixer_bwd": 2812, "_scan_fwd": 512, "_scan_bwd": 2048, "_sum_heads": 0}
     for r in rows:
         assert r["spill_stores"] <= limit.get(r["kernel"], 0), (r["kernel"], r["spill_stores"])
 
