@@ -1,4 +1,4 @@
-"""Three-file checkpoints: atomic save, discovery, verified load, retention.
+"""Three-file checkpoints: atomic save, discovery, verified load, retention, and the one writer's lock.
 
 Step N of a run is three files in its checkpoint directory:
 
@@ -11,10 +11,11 @@ Step N of a run is three files in its checkpoint directory:
 A save writes each file under a temporary name (".NAME.tmp", which never looks like a step), fsyncs it and
 renames it into place; the meta goes last and is the commit marker; then the directory is fsynced. A kill at
 any instant leaves the earlier steps and either all of the new one or nothing that counts, and the next save
-clears what it left. One process writes a directory at a time (train.py holds a lock); any number may read.
+clears what it left. One process writes a directory at a time, holding lock(dir); any number may read.
 A step that fails verification is reported and skipped, and never deleted here.
 """
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ import platform
 import random
 import re
 import shutil
+import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +204,29 @@ def _fsync_dir(d):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def lock(dir):
+    """An exclusive lock on DIR/.lock for the one writer of `dir`: a second one is refused with the PID and host of
+    the first. The OS drops it when the process ends, however it ends (kill -9 too). Returns the open lock file;
+    closing it releases the lock."""
+    d = Path(dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        f = open(d / ".lock", "a+")
+    except OSError as e:
+        raise CheckpointError(f"{d} is not writable ({e.strerror}); choose another directory or fix its "
+                              f"permissions") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise CheckpointError(f"{d} is in use by another run ({f.read().strip() or 'unknown'}); wait for it to "
+                              f"finish or stop it, or use another directory") from None
+    f.truncate(0)
+    f.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
 
 
 def _remove_leftovers(d):

@@ -12,14 +12,12 @@ optimizer, data position, step and RNG states.
 """
 import contextlib
 import dataclasses
-import fcntl
 import inspect
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -309,27 +307,7 @@ def header(log, cfg, model, batches, val):
 
 
 # -----------------------------------------------------------------------------
-# the run directory: lock, resume, branches, checkpoints
-
-
-def lock(out):
-    """An exclusive lock on OUT/.lock for the run, so that a second run on the directory is refused; the OS
-    drops it when the process ends, however it ends (kill -9 too). Returns the open lock file."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        f = open(out / ".lock", "a+")
-    except OSError as e:
-        raise TrainError(f"--out-dir {out} is not writable ({e.strerror}); choose another or fix its permissions")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        raise TrainError(f"{out} is in use by another run ({f.read().strip() or 'unknown'}); wait for it to "
-                         f"finish or stop it, or train into another --out-dir") from None
-    f.truncate(0)
-    f.write(f"PID {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f
+# the run directory: resume, branches, checkpoints
 
 
 def move_aside(out, prefix, paths):
@@ -418,7 +396,7 @@ def run(cfg, init, tmp, cleanup):
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
     if writes:
-        cleanup.enter_context(lock(out))
+        cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
     cleanup.callback(log.close)
     meta = resume(cfg, model, optimizer, log) or dict(step=0, tokens_seen=0, skipped_steps=0, data=None)

@@ -603,3 +603,10 @@ def test_a_failed_write_is_a_clear_error_and_leaves_the_directory_as_it_was(tmp_
     with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 in .* GB free there.*untouched"):
         ckpt.save(tmp_path, 2, model, opt, {})
     assert {n: (tmp_path / n).read_bytes() for n in files_in(tmp_path)} == before
+
+
+def test_one_writer_per_directory(tmp_path):
+    with ckpt.lock(tmp_path / "ck"):
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(PID {os.getpid()} on "):
+            ckpt.lock(tmp_path / "ck")
+    ckpt.lock(tmp_path / "ck").close()  # closing the first released it
