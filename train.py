@@ -525,6 +525,7 @@ def run(cfg, init, tmp, cleanup):
                        grad_norm=norm, tok_per_s=window["steps"] * cfg.total_batch_size / dt,
                        ms_per_step=1000 * dt / window["steps"])
             rec["mfu"] = flops * rec["tok_per_s"] / (peak * world) if peak else None
+            # a window of skipped steps only: nan on the console, null (not NaN, which is not JSON) in the record
             log(f"step {step}: loss {loss:.4f}, ppl {rec['ppl']:.2f}, lr {rec['lr']:.2e}, grad norm {norm:.3f}, "
                 f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
                 + (f", MFU {rec['mfu']:.1%}" if peak else ""), **{k: None if v != v else v for k, v in rec.items()})

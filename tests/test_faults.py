@@ -3,9 +3,6 @@ and the promise that every checkpoint that verified before the fault still verif
 import fcntl
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ import ckpt
 import prepare
 import sample
 import train
-from test_train import BASE, ROOT, corpus, records, run, weights  # noqa: F401 (corpus is a fixture)
+from test_train import BASE, corpus, records, run, start_train, weights  # noqa: F401 (corpus is a fixture)
 
 runner = CliRunner()
 
@@ -109,10 +106,7 @@ def test_a_second_run_on_the_same_directory_is_refused(corpus, tmp_path):
 
 def test_the_lock_is_released_by_kill_9(corpus, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE), "--max-steps", "100000",
-           "--out-dir", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = start_train(corpus, out)
     for line in proc.stdout:
         if line.startswith("step 2:"):
             break

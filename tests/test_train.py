@@ -199,12 +199,17 @@ def test_rollback_without_a_checkpoint_is_a_clear_error(corpus, tmp_path, monkey
     assert "no checkpoint" in text and "Traceback" not in text
 
 
-def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
-    out = tmp_path / "run"
+def start_train(corpus, out):
+    """A long train.py run in a child process, its output (stdout and stderr) readable line by line."""
     cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE), "--max-steps", "100000",
            "--out-dir", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_train(corpus, out)
     seen = []
     for line in proc.stdout:
         seen.append(line)
