@@ -137,44 +137,23 @@ def resolve(cfg, init=None):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
-    tokens, seq_len = recipe["total_batch_size"], recipe["seq_len"]
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
-    if tokens % seq_len:
+    if (tokens := recipe["total_batch_size"]) % (seq_len := recipe["seq_len"]):
         raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len {seq_len}; use a "
                          f"multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise TrainError(f"--resume {cfg.resume!r}: expected auto, never or a step number")
     return dataclasses.replace(
         cfg, **recipe, model=model, device=device, min_lr=min(cfg.min_lr, recipe["lr"]),
+        vocab_size=init["vocab_size"] if init else cfg.vocab_size,  # the data must fit the weights' vocabulary
         dtype=("bf16" if bf16_native(device) else "fp32") if cfg.dtype == "auto" else cfg.dtype,
         warmup_steps=min(2000, max(1, recipe["max_steps"] // 10)) if cfg.warmup_steps is None else cfg.warmup_steps,
         compile=device == "cuda" if cfg.compile is None else cfg.compile)
 
 
 # -----------------------------------------------------------------------------
-# setup: ranks, data, model; the learning rate; the step's pieces
-
-
-def setup_distributed(device):
-    """(rank, world size, local rank): torchrun sets them; plain python is a world of one."""
-    rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if "RANK" in os.environ:
-        if device == "cuda":
-            torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
-    return rank, max(world, 1), local
-
-
-def open_data(cfg, rank, world, tmpdir):
-    """--data -> (train Batches, val source or None, vocab size). Missing, malformed or out-of-vocabulary
-    data is refused here, before anything is built or written."""
-    sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmpdir)
-    if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the header
-        val = None  # says that evaluation is off; the training itself is still worth running
-    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
-                           cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu", prefetch=cfg.device == "cuda")
-    return batches, val, vocab
+# the model, the learning rate, a micro-step, evaluation
 
 
 def build_model(cfg, init, source):
@@ -236,24 +215,23 @@ def max_abs_weight(model):
 
 
 class Log:
-    """Rank 0's one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened at
-    the first record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT is
-    set (wandb reads its own WANDB_* variables; the run id kept in the checkpoints continues its run)."""
+    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened at the first
+    record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT is set (wandb reads
+    its own WANDB_* variables; the checkpoints keep the run id). Rank 0 alone speaks, and a dry run writes nothing."""
 
     def __init__(self, cfg, rank):
-        self.on, self.file, self.wandb, tty = rank == 0, None, None, sys.stdout.isatty()
-        self.console = Console(highlight=False, width=None if tty else 200)
-        self.path = Path(cfg.out_dir) / "metrics.jsonl" if self.on and not cfg.dry_run else None
-        self.progress = Progress(console=self.console, transient=True) if self.on and tty else None  # not in logs
+        self.file, self.wandb, tty = None, None, sys.stdout.isatty()
+        self.console = Console(highlight=False, width=None if tty else 200, quiet=rank != 0)
+        self.path = Path(cfg.out_dir) / "metrics.jsonl" if rank == 0 and not cfg.dry_run else None
+        self.progress = Progress(console=self.console, transient=True) if rank == 0 and tty else None  # not in logs
 
     def __call__(self, line=None, **record):
-        if self.on and line is not None:
+        if line is not None:
             self.console.print(line)
             self.console.file.flush()  # lines reach a log file or a pipe as they happen
         if record and self.path is not None:
             self.file = self.file or open(self.path, "a")
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            print(json.dumps(record), file=self.file, flush=True)
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
@@ -263,7 +241,7 @@ class Log:
         if self.progress is not None:
             self.task = self.progress.add_task("train", total=cfg.max_steps, completed=step)
             self.progress.start()
-        if self.on and os.environ.get("WANDB_PROJECT") and not cfg.dry_run:
+        if self.path and os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb
 
@@ -302,39 +280,37 @@ def header(log, cfg, model, batches, val):
              f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
              f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
              f"{cfg.nan_guard}, seed {cfg.seed}"] + [f"init from  {cfg.init_from}"] * bool(cfg.init_from)
-    if log.on:
-        log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
+    log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
 
 # -----------------------------------------------------------------------------
 # the run directory: resume, branches, checkpoints
 
 
-def move_aside(out, prefix, paths):
-    """Move `paths` into a new OUT/PREFIX-TIME/ and return it: a branch left behind, never deleted."""
-    aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-    aside.mkdir()
-    for p in paths:
-        shutil.move(p, aside / p.name)
-    return aside
-
-
-def split_metrics(path, step, aside=None):
-    """Keep metrics.jsonl's records of steps <= step (rewritten atomically), moving those past it into the
-    directory `aside` or dropping them: after a resume each (kind, step) is recorded once."""
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+def move_aside(out, step, files, prefix):
+    """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new OUT/PREFIX-TIME/
+    and return it (None if there are none): a branch left behind is never deleted. Records past `step` with no
+    checkpoint (steps that will run again) are dropped, so that each (kind, step) is recorded once."""
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
     keep = [line for line in lines if json.loads(line)["step"] <= step]
+    paths = [p for s in sorted(files) if s > step for p in files[s]]
+    aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
+    if aside:
+        aside.mkdir()
+        for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
+            shutil.move(p, aside / p.name)
+        (aside / metrics.name).write_text("".join(line for line in lines if json.loads(line)["step"] > step))
     if len(keep) < len(lines):
-        if aside is not None:
-            (aside / path.name).write_text("".join(line for line in lines if json.loads(line)["step"] > step))
-        path.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
-        os.replace(path.with_name(".metrics.jsonl.tmp"), path)
+        metrics.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
+        os.replace(metrics.with_name(".metrics.jsonl.tmp"), metrics)
+    return aside
 
 
 def resume(cfg, model, optimizer, log):
     """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the one
     resumed (an abandoned branch, or ones that fail verification) and their records are moved aside."""
-    out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.on and not cfg.dry_run
+    out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
     files = ckpt.step_files(out)
     if cfg.resume == "never":
         if files and not cfg.overwrite:
@@ -342,8 +318,7 @@ def resume(cfg, model, optimizer, log):
                              f"given; use --resume auto to continue that run, another --out-dir, or --overwrite "
                              f"to move the old run aside into {out}/previous-TIME/")
         if files and writes:
-            run_files = [p for p in (out / "metrics.jsonl", out / "config.json") if p.exists()]
-            log(f"moved the previous run aside into {move_aside(out, 'previous', sum(files.values(), run_files))}")
+            log(f"moved the previous run aside into {move_aside(out, -1, files, 'previous')}")
         return None
     if cfg.resume == "auto":
         step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
@@ -355,12 +330,9 @@ def resume(cfg, model, optimizer, log):
     else:
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
-    if step is not None and writes:
-        newer = [s for s in files if s > step]
-        aside = move_aside(out, "abandoned", [p for s in newer for p in files[s]]) if newer else None
-        split_metrics(out / "metrics.jsonl", step, aside)  # with no branch: the records of steps run twice
-        if aside:
-            log(f"[yellow]moved the newer steps {newer} and their records aside into {aside}[/yellow]")
+    if step is not None and writes and (aside := move_aside(out, step, files, "abandoned")):
+        log(f"[yellow]moved the newer steps {[s for s in files if s > step]} and their records aside into "
+            f"{aside}[/yellow]")
     if step is not None:
         log(f"resumed from {out} step {step}", kind="event", event="resume", step=step)
     return meta
@@ -380,14 +352,21 @@ def run(cfg, init, tmp, cleanup):
     """Train: set up, then loop. init is --init-from's (ModelConfig fields, state dict, tokenizer spec) or
     None; cleanup (an ExitStack) releases what the setup takes, however the run ends."""
     # --- setup: everything that can be refused is refused before the run directory is touched
-    rank, world, local = setup_distributed(cfg.device)
-    device = f"cuda:{local}" if cfg.device == "cuda" else "cpu"
+    rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    world, device = max(world, 1), f"cuda:{local}" if cfg.device == "cuda" else "cpu"  # plain python: a world of 1
+    if "RANK" in os.environ:  # set by torchrun
+        if cfg.device == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    if init:  # the data must fit the weights' vocabulary
-        cfg = dataclasses.replace(cfg, vocab_size=init[0]["vocab_size"])
-    batches, val, vocab = open_data(cfg, rank, world, tmp)
+    # the data: missing, malformed or out-of-vocabulary data is refused here, before anything is built or written
+    sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmp)
+    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
+                           cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu", prefetch=cfg.device == "cuda")
     cleanup.callback(batches.close)
+    if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the header says
+        val = None  # that evaluation is off; the training itself is still worth running
     source = batches.sources[0]
     model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, source).to(device)
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -424,11 +403,11 @@ def run(cfg, init, tmp, cleanup):
     flops = raw_model.flops_per_token(cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU; None: unknown
     limit = EXPLODED * max(1.0, max_abs_weight(raw_model))  # weights beyond it have exploded
-    stop = []  # SIGTERM / SIGINT: finish the current step, save, exit cleanly
+    stop, stopping = [], False  # SIGTERM / SIGINT: finish the step, save, exit; stopping: all ranks agree
     for s in (signal.SIGTERM, signal.SIGINT):
         cleanup.callback(signal.signal, s, signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name)))
     bad_streak, rollbacks = 0, []  # non-finite steps in a row; steps restored since the last save
-    window = dict(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())  # sums since the last log line
+    good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since the line logged at `logged`
     t_start = time.time()
     while True:
         last = step == cfg.max_steps
@@ -441,7 +420,7 @@ def run(cfg, init, tmp, cleanup):
             ppl = math.exp(min(val_loss, 50))
             log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
                 val_ppl=ppl)
-        if step > start_step and (last or step % cfg.save_every == 0 or stop):
+        if step > start_step and (last or step % cfg.save_every == 0 or stopping):
             # poison is never saved: not in a non-finite streak, nor weights blown up while finite
             top = max_abs_weight(raw_model)
             why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
@@ -458,41 +437,43 @@ def run(cfg, init, tmp, cleanup):
                 log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
                     event="checkpoint", step=step)
             rollbacks = rollbacks if why else []
-        window["t"] += time.time() - t_pause
-        if (stop or last) and bad_streak:
+        t_log += time.time() - t_pause
+        if (stopping or last) and bad_streak:
             raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
                              f"resume from the newest checkpoint in {out} with a lower --lr")
-        if stop:
-            log(f"stopped by {stop[0]} at step {step}; resume with --resume auto")
-        if stop or last:
+        if stopping:
+            log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with "
+                f"--resume auto")
+        if stopping or last:
             return
 
         if not (cfg.nan_guard and bad_streak >= cfg.nan_guard):
             # --- one optimizer step: accumulate over micro-steps, clip, update unless non-finite
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
-            loss_sum = torch.zeros((), device=device)
+            stats = torch.zeros(2, device=device)  # the micro-steps' summed loss; signals received
             for m in range(batches.accum_steps):
                 x, y = next(batches)
                 # DDP averages gradients across ranks once per optimizer step, not per micro-step
                 with contextlib.nullcontext() if world == 1 or m == batches.accum_steps - 1 else model.no_sync():
                     loss = micro_step(model, x, y, autocast)
                     (loss / batches.accum_steps).backward()
-                loss_sum += loss.detach()
-            if world > 1:
-                dist.all_reduce(loss_sum)  # a sum: gloo has no average
-            loss = loss_sum.item() / (batches.accum_steps * world)
+                stats[0] += loss.detach()
+            stats[1] = len(stop)
+            if world > 1:  # a sum (gloo has no average); a signal on any rank stops every rank at the same step
+                dist.all_reduce(stats)
+            loss, stopping = stats[0].item() / (batches.accum_steps * world), stats[1].item() > 0
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf).item()
             if math.isfinite(loss) and math.isfinite(norm):
                 optimizer.step()
                 bad_streak = 0
-                window.update(loss=window["loss"] + loss, norm=window["norm"] + norm, good=window["good"] + 1)
+                good.append((loss, norm))
             else:
                 skipped, bad_streak = skipped + 1, bad_streak + 1
                 log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped ({bad_streak} in a "
                     f"row, {skipped} in all)[/yellow]", kind="event", event="nonfinite", step=step)
             optimizer.zero_grad(set_to_none=True)
-            step, tokens_seen, window["steps"] = step + 1, tokens_seen + cfg.total_batch_size, window["steps"] + 1
+            step, tokens_seen = step + 1, tokens_seen + cfg.total_batch_size
 
         # --- the NaN guard: restore the newest checkpoint that verifies; the data cursor keeps moving, so
         # the batches that poisoned the run are not replayed
@@ -509,27 +490,21 @@ def run(cfg, init, tmp, cleanup):
                 raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row and the run went "
                                  f"bad again each time (last at step {step}); lower --lr (now {cfg.lr:g}) or "
                                  f"check the data around these steps")
-        if world > 1:  # agree on a signal, so that every rank saves and stops at the same step
-            flag = torch.tensor([float(bool(stop))], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and not stop:
-                stop.append("a signal on another rank")
 
         # --- log: the mean loss of the steps since the last line (skipped steps excluded)
         if log.progress is not None:
             log.progress.update(log.task, completed=step)
-        if window["steps"] and (step % cfg.log_every == 0 or step == cfg.max_steps):
-            dt, good = time.time() - window["t"], window["good"]
-            loss, norm = (window["loss"] / good, window["norm"] / good) if good else (math.nan, math.nan)
+        if step > logged and (step % cfg.log_every == 0 or step == cfg.max_steps):
+            dt, loss, norm = time.time() - t_log, *(np.mean(good, axis=0) if good else (math.nan, math.nan))
             rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
-                       grad_norm=norm, tok_per_s=window["steps"] * cfg.total_batch_size / dt,
-                       ms_per_step=1000 * dt / window["steps"])
+                       grad_norm=norm, tok_per_s=(step - logged) * cfg.total_batch_size / dt,
+                       ms_per_step=1000 * dt / (step - logged))
             rec["mfu"] = flops * rec["tok_per_s"] / (peak * world) if peak else None
             # a window of skipped steps only: nan on the console, null (not NaN, which is not JSON) in the record
             log(f"step {step}: loss {loss:.4f}, ppl {rec['ppl']:.2f}, lr {rec['lr']:.2e}, grad norm {norm:.3f}, "
                 f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
                 + (f", MFU {rec['mfu']:.1%}" if peak else ""), **{k: None if v != v else v for k, v in rec.items()})
-            window.update(loss=0.0, norm=0.0, good=0, steps=0, t=time.time())
+            good, logged, t_log = [], step, time.time()
 
 
 # -----------------------------------------------------------------------------
