@@ -2,15 +2,16 @@
 
 Step N of a run is three files in its directory:
     model_step_N.safetensors   the unwrapped model's weights (a tied tensor is written under each name, as a copy)
-    optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}: torch.load(weights_only=True)
-    meta_step_N.json           the caller's meta + step, time, versions, model_config and, under "files", the
-                               bytes and sha256 of the two files above
+    optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, for torch.load(weights_only=True)
+    meta_step_N.json           the caller's meta + step, time, versions, model_config, and under "files" the bytes
+                               and sha256 of the two files above
+
 save refuses what it can before it writes a byte. It writes each file under a temporary name (".NAME.tmp") and
-fsyncs it, renames the data files into place, then the meta, which is the commit, fsyncing the directory after
-each: a kill at any instant leaves the earlier steps and all of the new one or nothing that counts, and the next
-save clears what it left. One process writes a directory, holding lock(dir); any number may read. A step counts
-when its files have the sizes its meta records; load checks their sha256 too before it changes anything. A step
-that fails is reported and skipped (load_latest falls back to an older one), never deleted.
+fsyncs it, then renames the data files into place and the meta last, as the commit, fsyncing the directory after
+each rename: a kill at any instant leaves the earlier steps and either all of the new one or nothing that counts,
+and the next save removes what it left. One process writes a directory, holding lock(dir); any number may read.
+A step counts when its files have the sizes its meta records; load checks their sha256 too, before it changes
+anything. A step that fails is reported and skipped (load_latest falls back to an older one), never deleted.
 """
 import dataclasses
 import fcntl
@@ -51,7 +52,8 @@ def _names(step):
 
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
-    """Write (or rewrite) step `step`; keep_last=K then deletes all but the K highest, never the one just written."""
+    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the three paths.
+    keep_last=K then deletes all but the K highest steps, never the one just written nor one that fails to verify."""
     if type(step) is not int or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
@@ -64,7 +66,12 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
         meta["model_config"] = dataclasses.asdict(config)
     _check_json(meta, "meta")
     tensors = _independent(module.state_dict())
-    optim = {"optimizer": None if optimizer is None else optimizer.state_dict(), "rng": _rng_state()}
+    # the current CUDA device's RNG only: asking for all would create a context on every GPU from rank 0
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
+    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
+    rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
+    optim = {"optimizer": None if optimizer is None else optimizer.state_dict(), "rng": rng}
     _check_plain(optim, "optimizer file")
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
     tmp = {name: d / f".{name}.tmp" for name in _names(step)}  # never a step's name
@@ -138,22 +145,6 @@ def _check_plain(x, where):
     raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} would not load with weights_only=True")
 
 
-def _rng_state():
-    # the current CUDA device's state only: asking for all would create a context on every GPU from rank 0
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
-    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
-
-
-def _set_rng_state(rng):
-    torch.set_rng_state(rng["torch"].cpu())  # both setters want CPU byte tensors, wherever map_location put them
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
-    random.setstate(rng["python"])
-    np.random.set_state(tuple(rng["numpy"].values()))  # in the order np.random.get_state() gave them
-
-
 def _write(tmp, write):
     # write(tmp), then fsync it while hashing it (measured: a third faster than one after the other)
     write(tmp)
@@ -165,8 +156,7 @@ def _write(tmp, write):
 
 
 def _fsync(path):
-    # a file's data, or a directory's renames, are durable only once fsynced
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)  # a file's data, or a directory's renames, are durable only once fsynced
     try:
         os.fsync(fd)
     finally:
@@ -255,26 +245,26 @@ def read_meta(dir, step, verify=False):
     where = f"step {step} in {d}"
     try:
         meta = json.loads((d / meta_name).read_text())
-        files = {name: meta["files"][name] for name in (model_name, optim_name)}  # KeyError for another step's
-        sizes = {name: (d / name).stat().st_size for name in files}
+        hashes = {name: meta["files"][name]["sha256"] for name in (model_name, optim_name)}  # KeyError: another step's
+        for name in hashes:
+            if (size := (d / name).stat().st_size) != (want := meta["files"][name]["bytes"]):
+                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} says {want}")
     except FileNotFoundError as e:  # also when retention removes a file while we look (readers do not lock)
         raise CheckpointError(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where} is unreadable: {d / meta_name} is not a valid meta file ({e})") from None
-    for name, size in sizes.items():
-        if size != files[name]["bytes"]:
-            raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, not {files[name]['bytes']}")
     if verify:
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-            for (name, f), found in zip(files.items(), pool.map(_sha256, [d / name for name in files])):
-                if found != f["sha256"]:
+            for name, found in zip(hashes, pool.map(_sha256, [d / name for name in hashes])):
+                if found != hashes[name]:
                     raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 {found[:16]}..., "
-                                            f"{meta_name} says {f['sha256'][:16]}...)")
+                                            f"{meta_name} says {str(hashes[name])[:16]}...)")
     return meta
 
 
 def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
-    """Load step `step` into `model` (and `optimizer`) and return its meta; strict=False loads the keys both have."""
+    """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything changes; return
+    its meta. strict=False loads the keys both have; restore_rng=True restores the torch, CUDA, Python, NumPy RNGs."""
     d, module, (model_name, optim_name, _) = Path(dir), _unwrap(model), _names(step)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
     path = d / model_name  # the file being parsed, for the message
@@ -310,8 +300,12 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     with torch.no_grad():
         for k in common:
             own[k].copy_(tensors[k])  # in place: parameters tied to each other stay tied
-    if restore_rng:
-        _set_rng_state(state["rng"])
+    if restore_rng:  # the setters want CPU byte tensors, wherever map_location put them
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(tuple(state["rng"]["numpy"].values()))  # in the order np.random.get_state() gave them
     return meta
 
 
