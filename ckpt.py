@@ -113,8 +113,6 @@ def _independent(state):
     # safetensors refuses tensors that share memory (a tied embedding and head): write later ones as copies
     seen, out = set(), {}
     for name, t in state.items():
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"model state {name!r} is a {type(t).__name__}; safetensors holds tensors only")
         ptr = t.untyped_storage().data_ptr()
         out[name] = t.detach().clone() if ptr in seen else t.detach().contiguous()
         seen.add(ptr)
@@ -193,7 +191,8 @@ def _retain(d, keep_last, just_written):
 
 
 def lock(dir):
-    """Lock `dir` for its one writer until the returned file is closed or the process ends, however it ends."""
+    """Lock `dir` for its one writer (another is refused, naming this one's PID and host) until the returned file
+    is closed or the process ends, however it ends (kill -9 too)."""
     d = Path(dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -234,6 +233,7 @@ def list_steps(dir):
 
 
 def latest_step(dir):
+    """The highest step of `dir` that counts, or None."""
     return (list_steps(dir) or [None])[-1]
 
 
