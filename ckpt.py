@@ -169,13 +169,9 @@ def _sha256(path):
 def _remove_leftovers(d):
     # What killed saves and retentions leave: temporary files, and the data files of a step without a meta.
     # Only the one writer of d calls this, so none of it can be a save in progress.
-    for paths in step_files(d).values():
-        if not any(p.suffix == ".json" for p in paths):
-            for p in paths:
-                p.unlink()
-    for p in d.glob(".*.tmp"):
-        if STEP_FILE.match(p.name[1:]):
-            p.unlink()
+    orphans = [p for ps in step_files(d).values() if not any(p.suffix == ".json" for p in ps) for p in ps]
+    for p in orphans + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
+        p.unlink()
 
 
 def _retain(d, keep_last, just_written):
@@ -277,7 +273,11 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
                                 f"({str(e)[:200]})") from None
     own = module.state_dict()  # detached views of the live parameters and buffers
     common = sorted(own.keys() & tensors.keys())
-    diffs = _config_diff(meta.get("model_config"), module)
+    diffs, saved, live = [], meta.get("model_config"), getattr(module, "config", None)
+    if saved is not None and dataclasses.is_dataclass(live):
+        live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
+        diffs = [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, model {live.get(k, '<absent>')!r}"
+                 for k in sorted(saved.keys() | live.keys()) if saved.get(k, "<absent>") != live.get(k, "<absent>")]
     missing, unexpected = sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
     if missing or unexpected:
         diffs.append(f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}")
@@ -307,14 +307,6 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         random.setstate(state["rng"]["python"])
         np.random.set_state(tuple(state["rng"]["numpy"].values()))  # in the order np.random.get_state() gave them
     return meta
-
-
-def _config_diff(saved, module):
-    if saved is None or not dataclasses.is_dataclass(live := getattr(module, "config", None)):
-        return []
-    live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
-    return [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, model {live.get(k, '<absent>')!r}"
-            for k in sorted(saved.keys() | live.keys()) if saved.get(k, "<absent>") != live.get(k, "<absent>")]
 
 
 def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):

@@ -268,8 +268,6 @@ def header(log, cfg, model, batches, val):
              + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {batches.world_size}",
              f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x {cfg.seq_len} tokens x "
              f"{batches.accum_steps} accumulation x {batches.world_size} ranks",
-             f"schedule   {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, "
-             f"{cfg.warmup_steps} warmup)",
              "data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)"
              if cfg.data == ["synthetic"] else
              f"data       {', '.join(f'{s.path}{share}' for s, share in zip(batches.sources, shares))}: "
@@ -278,8 +276,9 @@ def header(log, cfg, model, batches, val):
              "eval       [bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]",
              f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "") +
              f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
-             f"optimizer  AdamW, weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
-             f"{cfg.nan_guard}, seed {cfg.seed}"] + [f"init from  {cfg.init_from}"] * bool(cfg.init_from)
+             f"optimizer  AdamW for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} ({cfg.schedule}, "
+             f"{cfg.warmup_steps} warmup), weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan "
+             f"guard {cfg.nan_guard}, seed {cfg.seed}"] + [f"init from  {cfg.init_from}"] * bool(cfg.init_from)
     log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
 
@@ -363,7 +362,7 @@ def run(cfg, init, tmp, cleanup):
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything is built or written
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmp)
     batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
-                           cfg.seed, weights, "cuda" if cfg.device == "cuda" else "cpu", prefetch=cfg.device == "cuda")
+                           cfg.seed, weights, cfg.device, prefetch=cfg.device == "cuda")
     cleanup.callback(batches.close)
     if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the header says
         val = None  # that evaluation is off; the training itself is still worth running
@@ -523,9 +522,8 @@ def main(**flags):
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as cleanup:
             run(resolve(cfg, init and init[0]), init, tmp, cleanup)
     except (TrainError, data.DataError, ckpt.CheckpointError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(str(e))}",
-                                                        soft_wrap=True)
+        err = Console(stderr=True, highlight=False, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 speaks
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2)
     except KeyboardInterrupt:  # before training started (after it, Ctrl-C saves and exits cleanly)
         raise typer.Exit(130)
