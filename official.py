@@ -23,6 +23,7 @@ not reset its state at EOS. The vocabulary is written unpadded (pad_vocab_size_m
 model returns a logit for every row, and our never-trained padding rows would take probability from the
 real tokens in anything that takes a softmax over all of them (the harness, sampling).
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -218,10 +219,12 @@ def export(run_dir, out_dir, step=None) -> Path:
     `out_dir` in the official format; returns out_dir. Refused with a CheckpointError naming the path before
     anything is written: no complete checkpoint, a step that does not verify, an option the format cannot
     express, a missing tokenizer file, an out_dir that is neither new, empty, nor an earlier export. An
-    earlier export is replaced whole (built beside it, then swapped in); files a user added to it are kept."""
+    earlier export is replaced whole (built beside it, then swapped in); files a user added to it are kept, and
+    what a killed export left is recovered first."""
     from sample import load_model  # a model from a run directory, as sample.py builds it
 
     run_dir, out = Path(run_dir), Path(out_dir)
+    _recover(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / MARKER).is_file()):
         raise CheckpointError(f"{out} exists and is not an earlier export (it has no {MARKER}); choose another "
                               f"OUT_DIR, or empty it yourself")
@@ -269,6 +272,27 @@ def export(run_dir, out_dir, step=None) -> Path:
                                   f"fix the permissions, then run again: {out} is unchanged") from None
         raise
     return out
+
+
+def _recover(out):
+    """What an export killed during its swap left beside `out`: the earlier export in .OUT.old-PID goes back in
+    place if OUT is missing (killed between the two renames), else the swap is finished (a user's files move
+    into OUT); the new export's .OUT.export-PID, complete or not, is dropped."""
+    for stale in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.export-*")):
+        if not (pid := stale.name.rsplit("-", 1)[1]).isdigit():
+            continue  # not an export's
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), 0)
+            continue  # that export is still running
+        if ".old-" not in stale.name:
+            shutil.rmtree(stale)
+        elif not out.exists():
+            os.rename(stale, out)
+        else:
+            for p in stale.iterdir():
+                if p.name not in FILES and not (out / p.name).exists():
+                    os.rename(p, out / p.name)
+            shutil.rmtree(stale)
 
 
 def read_pretrained(path):

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import warnings
 
 import pytest
@@ -351,3 +352,30 @@ def test_cli(tmp_path):
         result = runner.invoke(official.app, args)
         assert result.exit_code == 2 and "error:" in result.output and message in result.output
         assert "Traceback" not in result.output
+
+
+def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path):
+    make_run(tmp_path / "run", steps=(1, 2))
+    out = official.export(tmp_path / "run", tmp_path / "out", step=1)
+    (out / "eval-results.json").write_text("{}")
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    dead = 2 ** 22 + 1  # above Linux's largest PID: no process has it
+    # killed between its two renames: no OUT, the earlier export in .OUT.old-PID, the new one complete beside it
+    os.rename(out, tmp_path / f".out.old-{dead}")
+    shutil.copytree(tmp_path / f".out.old-{dead}", tmp_path / f".out.export-{dead}")
+    official._recover(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    # killed after the second rename, with the user's file still in the old one: the next export finishes the swap
+    old = tmp_path / f".out.old-{dead}"
+    shutil.copytree(out, old)
+    (out / "eval-results.json").unlink()
+    official.export(tmp_path / "run", out, step=2)
+    assert (out / "eval-results.json").read_text() == "{}"
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    # a running export's files are left alone
+    running = tmp_path / f".out.old-{os.getpid()}"
+    running.mkdir()
+    official._recover(out)
+    assert running.is_dir()
