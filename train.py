@@ -215,32 +215,29 @@ def max_abs_weight(model):
 
 
 class Log:
-    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened at the first
+    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (created at the first
     record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT is set (wandb reads
     its own WANDB_* variables; the checkpoints keep the run id). Rank 0 alone speaks, and a dry run writes nothing."""
 
     def __init__(self, cfg, rank):
-        self.file, self.wandb, tty = None, None, sys.stdout.isatty()
+        self.wandb, tty = None, sys.stdout.isatty()
         self.console = Console(highlight=False, width=None if tty else 200, quiet=rank != 0)
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if rank == 0 and not cfg.dry_run else None
-        self.progress = Progress(console=self.console, transient=True) if rank == 0 and tty else None  # not in logs
+        self.progress = Progress(console=self.console, transient=True, disable=rank != 0 or not tty)  # not in logs
 
     def __call__(self, line=None, **record):
         if line is not None:
             self.console.print(line)
             self.console.file.flush()  # lines reach a log file or a pipe as they happen
         if record and self.path is not None:
-            self.file = self.file or open(self.path, "a")
-            print(json.dumps(record), file=self.file, flush=True)
+            with open(self.path, "a") as f:
+                print(json.dumps(record), file=f)
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
-    def start(self, cfg, step, run_id):
-        """Start the progress bar and wandb; returns the wandb run id, which the checkpoints keep."""
-        if self.progress is not None:
-            self.task = self.progress.add_task("train", total=cfg.max_steps, completed=step)
-            self.progress.start()
+    def start_wandb(self, cfg, run_id):
+        """Returns the wandb run id, which the checkpoints keep."""
         if self.path and os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb
@@ -250,12 +247,6 @@ class Log:
             except Exception as e:  # noqa: BLE001
                 self(f"[yellow]warning: wandb disabled ({type(e).__name__}: {e})[/yellow]")
         return run_id
-
-    def close(self):
-        if self.progress is not None:
-            self.progress.stop()
-        if self.file is not None:
-            self.file.close()
 
 
 def header(log, cfg, model, batches, val):
@@ -357,6 +348,7 @@ def run(cfg, init, tmp, cleanup):
         if cfg.device == "cuda":
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
+        cleanup.callback(dist.destroy_process_group)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything is built or written
@@ -376,7 +368,6 @@ def run(cfg, init, tmp, cleanup):
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
-    cleanup.callback(log.close)
     meta = resume(cfg, model, optimizer, log) or dict(step=0, tokens_seen=0, skipped_steps=0, data=None)
     step, tokens_seen, skipped = meta["step"], meta["tokens_seen"], meta["skipped_steps"]
     if meta["data"] is not None:
@@ -391,7 +382,8 @@ def run(cfg, init, tmp, cleanup):
         if source.tokenizer and source.tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
             shutil.copy(source.path / source.tokenizer["file"], out / source.tokenizer["file"])
     header(log, cfg, model, batches, val)
-    run_id = log.start(cfg, step, meta.get("wandb_run_id"))
+    run_id = log.start_wandb(cfg, meta.get("wandb_run_id"))
+    bar = cleanup.enter_context(log.progress).add_task("train", total=cfg.max_steps, completed=step)
 
     raw_model = model  # what is saved and restored; `model` may be wrapped for speed or for DDP
     if cfg.compile:
@@ -491,8 +483,7 @@ def run(cfg, init, tmp, cleanup):
                                  f"check the data around these steps")
 
         # --- log: the mean loss of the steps since the last line (skipped steps excluded)
-        if log.progress is not None:
-            log.progress.update(log.task, completed=step)
+        log.progress.update(bar, completed=step)
         if step > logged and (step % cfg.log_every == 0 or step == cfg.max_steps):
             dt, loss, norm = time.time() - t_log, *(np.mean(good, axis=0) if good else (math.nan, math.nan))
             rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
@@ -527,9 +518,6 @@ def main(**flags):
         raise typer.Exit(2)
     except KeyboardInterrupt:  # before training started (after it, Ctrl-C saves and exits cleanly)
         raise typer.Exit(130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 main.__signature__ = inspect.signature(TrainConfig)  # the flags are TrainConfig's fields, written once
