@@ -6,8 +6,8 @@
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
 
 Read it top to bottom: the recipes (every preset's defaults), the config (which is the command line), the
-helpers the loop uses, then `run`: the setup, and the loop -- evaluate and save when due, one optimizer
-step, the NaN guard, log. A checkpoint holds all a resumed run needs to continue bit for bit: weights,
+helpers the loop uses, then `run`: the setup, and the loop -- one optimizer step, the NaN guard, log,
+evaluate and save when due. A checkpoint holds all a resumed run needs to continue bit for bit: weights,
 optimizer, data position, step and RNG states.
 """
 import contextlib
@@ -368,13 +368,12 @@ def run(cfg, init, tmp, cleanup):
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
-    meta = resume(cfg, model, optimizer, log) or dict(step=0, tokens_seen=0, skipped_steps=0, data=None)
-    step, tokens_seen, skipped = meta["step"], meta["tokens_seen"], meta["skipped_steps"]
+    meta = resume(cfg, model, optimizer, log) or dict(step=0, skipped_steps=0, data=None)
+    step, skipped = meta["step"], meta["skipped_steps"]
     if meta["data"] is not None:
         batches.load_state_dict(meta["data"])
     if cfg.max_steps < step:
         raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
-    start_step, wall = step, meta.get("wall_time", 0.0)
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:
@@ -399,45 +398,8 @@ def run(cfg, init, tmp, cleanup):
         cleanup.callback(signal.signal, s, signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name)))
     bad_streak, rollbacks = 0, []  # non-finite steps in a row; steps restored since the last save
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since the line logged at `logged`
-    t_start = time.time()
-    while True:
-        last = step == cfg.max_steps
-
-        # --- evaluate and save when due (and at the end, inside the loop so that the last step gets both);
-        # their time is kept out of the throughput figures
-        t_pause = time.time()
-        if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
-            val_loss = evaluate(model, val, cfg, rank, world)
-            ppl = math.exp(min(val_loss, 50))
-            log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
-                val_ppl=ppl)
-        if step > start_step and (last or step % cfg.save_every == 0 or stopping):
-            # poison is never saved: not in a non-finite streak, nor weights blown up while finite
-            top = max_abs_weight(raw_model)
-            why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
-                None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
-            if why:
-                log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved", step=step)
-                bad_streak = bad_streak or max(1, cfg.nan_guard)  # blown up while finite: roll back at once
-            elif writes:
-                t0 = time.time()
-                save_checkpoint(cfg, step, raw_model, optimizer, dict(
-                    tokens_seen=tokens_seen, skipped_steps=skipped, optimizer_steps=step - skipped,
-                    data=batches.state_dict(), wandb_run_id=run_id, tokenizer=source.tokenizer,
-                    wall_time=wall + time.time() - t_start))
-                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
-                    event="checkpoint", step=step)
-            rollbacks = rollbacks if why else []
-        t_log += time.time() - t_pause
-        if (stopping or last) and bad_streak:
-            raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
-                             f"resume from the newest checkpoint in {out} with a lower --lr")
-        if stopping:
-            log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with "
-                f"--resume auto")
-        if stopping or last:
-            return
-
+    t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
+    while step < cfg.max_steps and not stopping:
         if not (cfg.nan_guard and bad_streak >= cfg.nan_guard):
             # --- one optimizer step: accumulate over micro-steps, clip, update unless non-finite
             for group in optimizer.param_groups:
@@ -464,7 +426,7 @@ def run(cfg, init, tmp, cleanup):
                 log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped ({bad_streak} in a "
                     f"row, {skipped} in all)[/yellow]", kind="event", event="nonfinite", step=step)
             optimizer.zero_grad(set_to_none=True)
-            step, tokens_seen = step + 1, tokens_seen + cfg.total_batch_size
+            step += 1
 
         # --- the NaN guard: restore the newest checkpoint that verifies; the data cursor keeps moving, so
         # the batches that poisoned the run are not replayed
@@ -483,8 +445,9 @@ def run(cfg, init, tmp, cleanup):
                                  f"check the data around these steps")
 
         # --- log: the mean loss of the steps since the last line (skipped steps excluded)
+        last = step == cfg.max_steps
         log.progress.update(bar, completed=step)
-        if step > logged and (step % cfg.log_every == 0 or step == cfg.max_steps):
+        if step > logged and (step % cfg.log_every == 0 or last):
             dt, loss, norm = time.time() - t_log, *(np.mean(good, axis=0) if good else (math.nan, math.nan))
             rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
                        grad_norm=norm, tok_per_s=(step - logged) * cfg.total_batch_size / dt,
@@ -495,6 +458,37 @@ def run(cfg, init, tmp, cleanup):
                 f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
                 + (f", MFU {rec['mfu']:.1%}" if peak else ""), **{k: None if v != v else v for k, v in rec.items()})
             good, logged, t_log = [], step, time.time()
+
+        # --- evaluate and save when due and at the end (save when stopped too), outside the throughput figures
+        t_pause = time.time()
+        if val is not None and (last or step % cfg.eval_every == 0):
+            val_loss = evaluate(model, val, cfg, rank, world)
+            ppl = math.exp(min(val_loss, 50))
+            log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
+                val_ppl=ppl)
+        if last or stopping or step % cfg.save_every == 0:
+            # poison is never saved: not in a non-finite streak, nor weights blown up while finite
+            top = max_abs_weight(raw_model)
+            why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
+                None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
+            if why:
+                log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved", step=step)
+                bad_streak = bad_streak or max(1, cfg.nan_guard)  # blown up while finite: roll back at once
+            elif writes:
+                t0 = time.time()
+                save_checkpoint(cfg, step, raw_model, optimizer, dict(
+                    tokens_seen=step * cfg.total_batch_size, skipped_steps=skipped, optimizer_steps=step - skipped,
+                    data=batches.state_dict(), wandb_run_id=run_id, tokenizer=source.tokenizer,
+                    wall_time=time.time() - t_start))
+                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
+                    event="checkpoint", step=step)
+            rollbacks = rollbacks if why else []
+        t_log += time.time() - t_pause
+    if bad_streak:
+        raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
+                         f"resume from the newest checkpoint in {out} with a lower --lr")
+    if stopping:
+        log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with --resume auto")
 
 
 # -----------------------------------------------------------------------------
