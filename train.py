@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, List, Literal, Optional
 
@@ -67,7 +66,7 @@ def preset(key, what):
     return f"{what} [dim](preset: {values})[/dim]"
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     """A run's settings. The fields are train.py's flags (main takes this signature); resolve() fills the
     (preset) ones and settles auto. Saved as config.json and in every checkpoint's meta."""
@@ -191,11 +190,10 @@ def micro_step(model, x, y, autocast):
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg, rank, world):
+def evaluate(model, val, cfg, autocast, rank, world):
     """Mean loss over the fixed validation windows (the same at every eval), summed across ranks."""
     model.eval()
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
     for x, y in data.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank, world, device):
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
@@ -227,8 +225,7 @@ class Log:
 
     def __call__(self, line=None, **record):
         if line is not None:
-            self.console.print(line)
-            self.console.file.flush()  # lines reach a log file or a pipe as they happen
+            self.console.print(line)  # rich flushes: lines reach a log file or a pipe as they happen
         if record and self.path is not None:
             with open(self.path, "a") as f:
                 print(json.dumps(record), file=f)
@@ -242,7 +239,7 @@ class Log:
             try:
                 import wandb
 
-                self.wandb = wandb.init(id=run_id, resume="allow", config=asdict(cfg))
+                self.wandb = wandb.init(id=run_id, resume="allow", config=dataclasses.asdict(cfg))
                 return self.wandb.id
             except Exception as e:  # noqa: BLE001
                 self(f"[yellow]warning: wandb disabled ({type(e).__name__}: {e})[/yellow]")
@@ -330,7 +327,7 @@ def resume(cfg, model, optimizer, log):
 
 def save_checkpoint(cfg, step, model, optimizer, state):
     """Write step `step` (with retention). Its own function so that tests can inject faults around it."""
-    meta = dict(state, tag="final" if step == cfg.max_steps else "periodic", config=asdict(cfg))
+    meta = dict(state, tag="final" if step == cfg.max_steps else "periodic", config=dataclasses.asdict(cfg))
     ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=cfg.keep_last or None)
 
 
@@ -350,7 +347,6 @@ def run(cfg, init, tmp, cleanup):
         dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
         cleanup.callback(dist.destroy_process_group)
     torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything is built or written
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmp)
     batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
@@ -377,7 +373,7 @@ def run(cfg, init, tmp, cleanup):
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         if source.tokenizer and source.tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
             shutil.copy(source.path / source.tokenizer["file"], out / source.tokenizer["file"])
     header(log, cfg, model, batches, val)
@@ -390,7 +386,6 @@ def run(cfg, init, tmp, cleanup):
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    flops = raw_model.flops_per_token(cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU; None: unknown
     limit = EXPLODED * max(1.0, max_abs_weight(raw_model))  # weights beyond it have exploded
     stop, stopping = [], False  # SIGTERM / SIGINT: finish the step, save, exit; stopping: all ranks agree
@@ -452,7 +447,7 @@ def run(cfg, init, tmp, cleanup):
             rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
                        grad_norm=norm, tok_per_s=(step - logged) * cfg.total_batch_size / dt,
                        ms_per_step=1000 * dt / (step - logged))
-            rec["mfu"] = flops * rec["tok_per_s"] / (peak * world) if peak else None
+            rec["mfu"] = raw_model.flops_per_token(cfg.seq_len) * rec["tok_per_s"] / (peak * world) if peak else None
             # a window of skipped steps only: nan on the console, null (not NaN, which is not JSON) in the record
             log(f"step {step}: loss {loss:.4f}, ppl {rec['ppl']:.2f}, lr {rec['lr']:.2e}, grad norm {norm:.3f}, "
                 f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
@@ -462,7 +457,7 @@ def run(cfg, init, tmp, cleanup):
         # --- evaluate and save when due and at the end (save when stopped too), outside the throughput figures
         t_pause = time.time()
         if val is not None and (last or step % cfg.eval_every == 0):
-            val_loss = evaluate(model, val, cfg, rank, world)
+            val_loss = evaluate(model, val, cfg, autocast, rank, world)
             ppl = math.exp(min(val_loss, 50))
             log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
                 val_ppl=ppl)
