@@ -234,7 +234,7 @@ class Log:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
     def start_wandb(self, cfg, run_id):
-        """Returns the wandb run id, which the checkpoints keep."""
+        """Start wandb (when this rank writes and WANDB_PROJECT is set); returns the run id the checkpoints keep."""
         if self.path and os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb
