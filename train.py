@@ -152,7 +152,7 @@ def resolve(cfg, init=None):
 
 
 # -----------------------------------------------------------------------------
-# the model, the learning rate, a micro-step, evaluation
+# the helpers the loop uses: the model, the learning rate, evaluation, the log, the run directory
 
 
 def build_model(cfg, init, source):
@@ -206,10 +206,6 @@ def evaluate(model, val, cfg, autocast, rank, world):
 
 def max_abs_weight(model):
     return torch.stack([p.detach().abs().max() for p in model.parameters()]).max().item()
-
-
-# -----------------------------------------------------------------------------
-# logging: one sink
 
 
 class Log:
@@ -270,10 +266,6 @@ def header(log, cfg, model, batches, val):
     log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
 
-# -----------------------------------------------------------------------------
-# the run directory: resume, branches, checkpoints
-
-
 def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new OUT/PREFIX-TIME/
     and return it (None if there are none): a branch left behind is never deleted. Records past `step` with no
@@ -332,7 +324,7 @@ def save_checkpoint(cfg, step, model, optimizer, state):
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run, and its command line
 
 
 def run(cfg, init, tmp, cleanup):
@@ -485,9 +477,6 @@ def run(cfg, init, tmp, cleanup):
     if stopping:
         log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with --resume auto")
 
-
-# -----------------------------------------------------------------------------
-# command line
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
