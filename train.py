@@ -6,8 +6,8 @@
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
 
 Read it top to bottom: the recipes (every preset's defaults), the config (which is the command line), the
-helpers the loop uses, then `run`: the setup, and the loop -- evaluate and save when due, one optimizer
-step, the NaN guard, log. A checkpoint holds all a resumed run needs to continue bit for bit: weights,
+helpers the loop uses, then `run`: the setup, and the loop -- one optimizer step, the NaN guard, log,
+evaluate and save when due. A checkpoint holds all a resumed run needs to continue bit for bit: weights,
 optimizer, data position, step and RNG states.
 """
 import contextlib
@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, List, Literal, Optional
 
@@ -67,7 +66,7 @@ def preset(key, what):
     return f"{what} [dim](preset: {values})[/dim]"
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     """A run's settings. The fields are train.py's flags (main takes this signature); resolve() fills the
     (preset) ones and settles auto. Saved as config.json and in every checkpoint's meta."""
@@ -153,7 +152,7 @@ def resolve(cfg, init=None):
 
 
 # -----------------------------------------------------------------------------
-# the model, the learning rate, a micro-step, evaluation
+# the helpers the loop uses: the model, the learning rate, evaluation, the log, the run directory
 
 
 def build_model(cfg, init, source):
@@ -191,11 +190,10 @@ def micro_step(model, x, y, autocast):
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg, rank, world):
+def evaluate(model, val, cfg, autocast, rank, world):
     """Mean loss over the fixed validation windows (the same at every eval), summed across ranks."""
     model.eval()
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
     for x, y in data.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank, world, device):
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
@@ -210,52 +208,38 @@ def max_abs_weight(model):
     return torch.stack([p.detach().abs().max() for p in model.parameters()]).max().item()
 
 
-# -----------------------------------------------------------------------------
-# logging: one sink
-
-
 class Log:
-    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (opened at the first
+    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl (created at the first
     record: a run refused at start-up leaves nothing) and sends it to wandb when WANDB_PROJECT is set (wandb reads
     its own WANDB_* variables; the checkpoints keep the run id). Rank 0 alone speaks, and a dry run writes nothing."""
 
     def __init__(self, cfg, rank):
-        self.file, self.wandb, tty = None, None, sys.stdout.isatty()
+        self.wandb, tty = None, sys.stdout.isatty()
         self.console = Console(highlight=False, width=None if tty else 200, quiet=rank != 0)
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if rank == 0 and not cfg.dry_run else None
-        self.progress = Progress(console=self.console, transient=True) if rank == 0 and tty else None  # not in logs
+        self.progress = Progress(console=self.console, transient=True, disable=rank != 0 or not tty)  # not in logs
 
     def __call__(self, line=None, **record):
         if line is not None:
-            self.console.print(line)
-            self.console.file.flush()  # lines reach a log file or a pipe as they happen
+            self.console.print(line)  # rich flushes: lines reach a log file or a pipe as they happen
         if record and self.path is not None:
-            self.file = self.file or open(self.path, "a")
-            print(json.dumps(record), file=self.file, flush=True)
+            with open(self.path, "a") as f:
+                print(json.dumps(record), file=f)
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
-    def start(self, cfg, step, run_id):
-        """Start the progress bar and wandb; returns the wandb run id, which the checkpoints keep."""
-        if self.progress is not None:
-            self.task = self.progress.add_task("train", total=cfg.max_steps, completed=step)
-            self.progress.start()
+    def start_wandb(self, cfg, run_id):
+        """Start wandb (when this rank writes and WANDB_PROJECT is set); returns the run id the checkpoints keep."""
         if self.path and os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb
 
-                self.wandb = wandb.init(id=run_id, resume="allow", config=asdict(cfg))
+                self.wandb = wandb.init(id=run_id, resume="allow", config=dataclasses.asdict(cfg))
                 return self.wandb.id
             except Exception as e:  # noqa: BLE001
                 self(f"[yellow]warning: wandb disabled ({type(e).__name__}: {e})[/yellow]")
         return run_id
-
-    def close(self):
-        if self.progress is not None:
-            self.progress.stop()
-        if self.file is not None:
-            self.file.close()
 
 
 def header(log, cfg, model, batches, val):
@@ -280,10 +264,6 @@ def header(log, cfg, model, batches, val):
              f"{cfg.warmup_steps} warmup), weight decay {cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan "
              f"guard {cfg.nan_guard}, seed {cfg.seed}"] + [f"init from  {cfg.init_from}"] * bool(cfg.init_from)
     log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
-
-
-# -----------------------------------------------------------------------------
-# the run directory: resume, branches, checkpoints
 
 
 def move_aside(out, step, files, prefix):
@@ -339,12 +319,12 @@ def resume(cfg, model, optimizer, log):
 
 def save_checkpoint(cfg, step, model, optimizer, state):
     """Write step `step` (with retention). Its own function so that tests can inject faults around it."""
-    meta = dict(state, tag="final" if step == cfg.max_steps else "periodic", config=asdict(cfg))
+    meta = dict(state, tag="final" if step == cfg.max_steps else "periodic", config=dataclasses.asdict(cfg))
     ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=cfg.keep_last or None)
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run, and its command line
 
 
 def run(cfg, init, tmp, cleanup):
@@ -357,8 +337,8 @@ def run(cfg, init, tmp, cleanup):
         if cfg.device == "cuda":
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
+        cleanup.callback(dist.destroy_process_group)
     torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything is built or written
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size, cfg.seed, tmp)
     batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len, rank, world,
@@ -376,22 +356,21 @@ def run(cfg, init, tmp, cleanup):
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
-    cleanup.callback(log.close)
-    meta = resume(cfg, model, optimizer, log) or dict(step=0, tokens_seen=0, skipped_steps=0, data=None)
-    step, tokens_seen, skipped = meta["step"], meta["tokens_seen"], meta["skipped_steps"]
+    meta = resume(cfg, model, optimizer, log) or dict(step=0, skipped_steps=0, data=None)
+    step, skipped = meta["step"], meta["skipped_steps"]
     if meta["data"] is not None:
         batches.load_state_dict(meta["data"])
     if cfg.max_steps < step:
         raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
-    start_step, wall = step, meta.get("wall_time", 0.0)
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         if source.tokenizer and source.tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
             shutil.copy(source.path / source.tokenizer["file"], out / source.tokenizer["file"])
     header(log, cfg, model, batches, val)
-    run_id = log.start(cfg, step, meta.get("wandb_run_id"))
+    run_id = log.start_wandb(cfg, meta.get("wandb_run_id"))
+    bar = cleanup.enter_context(log.progress).add_task("train", total=cfg.max_steps, completed=step)
 
     raw_model = model  # what is saved and restored; `model` may be wrapped for speed or for DDP
     if cfg.compile:
@@ -399,7 +378,6 @@ def run(cfg, init, tmp, cleanup):
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    flops = raw_model.flops_per_token(cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU; None: unknown
     limit = EXPLODED * max(1.0, max_abs_weight(raw_model))  # weights beyond it have exploded
     stop, stopping = [], False  # SIGTERM / SIGINT: finish the step, save, exit; stopping: all ranks agree
@@ -407,45 +385,8 @@ def run(cfg, init, tmp, cleanup):
         cleanup.callback(signal.signal, s, signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name)))
     bad_streak, rollbacks = 0, []  # non-finite steps in a row; steps restored since the last save
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since the line logged at `logged`
-    t_start = time.time()
-    while True:
-        last = step == cfg.max_steps
-
-        # --- evaluate and save when due (and at the end, inside the loop so that the last step gets both);
-        # their time is kept out of the throughput figures
-        t_pause = time.time()
-        if val is not None and (last or (step % cfg.eval_every == 0 and step > start_step)):
-            val_loss = evaluate(model, val, cfg, rank, world)
-            ppl = math.exp(min(val_loss, 50))
-            log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
-                val_ppl=ppl)
-        if step > start_step and (last or step % cfg.save_every == 0 or stopping):
-            # poison is never saved: not in a non-finite streak, nor weights blown up while finite
-            top = max_abs_weight(raw_model)
-            why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
-                None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
-            if why:
-                log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved", step=step)
-                bad_streak = bad_streak or max(1, cfg.nan_guard)  # blown up while finite: roll back at once
-            elif writes:
-                t0 = time.time()
-                save_checkpoint(cfg, step, raw_model, optimizer, dict(
-                    tokens_seen=tokens_seen, skipped_steps=skipped, optimizer_steps=step - skipped,
-                    data=batches.state_dict(), wandb_run_id=run_id, tokenizer=source.tokenizer,
-                    wall_time=wall + time.time() - t_start))
-                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
-                    event="checkpoint", step=step)
-            rollbacks = rollbacks if why else []
-        t_log += time.time() - t_pause
-        if (stopping or last) and bad_streak:
-            raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
-                             f"resume from the newest checkpoint in {out} with a lower --lr")
-        if stopping:
-            log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with "
-                f"--resume auto")
-        if stopping or last:
-            return
-
+    t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
+    while step < cfg.max_steps and not stopping:
         if not (cfg.nan_guard and bad_streak >= cfg.nan_guard):
             # --- one optimizer step: accumulate over micro-steps, clip, update unless non-finite
             for group in optimizer.param_groups:
@@ -472,7 +413,7 @@ def run(cfg, init, tmp, cleanup):
                 log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped ({bad_streak} in a "
                     f"row, {skipped} in all)[/yellow]", kind="event", event="nonfinite", step=step)
             optimizer.zero_grad(set_to_none=True)
-            step, tokens_seen = step + 1, tokens_seen + cfg.total_batch_size
+            step += 1
 
         # --- the NaN guard: restore the newest checkpoint that verifies; the data cursor keeps moving, so
         # the batches that poisoned the run are not replayed
@@ -491,23 +432,51 @@ def run(cfg, init, tmp, cleanup):
                                  f"check the data around these steps")
 
         # --- log: the mean loss of the steps since the last line (skipped steps excluded)
-        if log.progress is not None:
-            log.progress.update(log.task, completed=step)
-        if step > logged and (step % cfg.log_every == 0 or step == cfg.max_steps):
+        last = step == cfg.max_steps
+        log.progress.update(bar, completed=step)
+        if step > logged and (step % cfg.log_every == 0 or last):
             dt, loss, norm = time.time() - t_log, *(np.mean(good, axis=0) if good else (math.nan, math.nan))
             rec = dict(kind="train", step=step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
                        grad_norm=norm, tok_per_s=(step - logged) * cfg.total_batch_size / dt,
                        ms_per_step=1000 * dt / (step - logged))
-            rec["mfu"] = flops * rec["tok_per_s"] / (peak * world) if peak else None
+            rec["mfu"] = raw_model.flops_per_token(cfg.seq_len) * rec["tok_per_s"] / (peak * world) if peak else None
             # a window of skipped steps only: nan on the console, null (not NaN, which is not JSON) in the record
             log(f"step {step}: loss {loss:.4f}, ppl {rec['ppl']:.2f}, lr {rec['lr']:.2e}, grad norm {norm:.3f}, "
                 f"{rec['tok_per_s']:,.0f} tok/s, {rec['ms_per_step']:.0f} ms/step"
                 + (f", MFU {rec['mfu']:.1%}" if peak else ""), **{k: None if v != v else v for k, v in rec.items()})
             good, logged, t_log = [], step, time.time()
 
+        # --- evaluate and save when due and at the end (save when stopped too), outside the throughput figures
+        t_pause = time.time()
+        if val is not None and (last or step % cfg.eval_every == 0):
+            val_loss = evaluate(model, val, cfg, autocast, rank, world)
+            ppl = math.exp(min(val_loss, 50))
+            log(f"step {step}: val loss {val_loss:.4f}, ppl {ppl:.2f}", kind="eval", step=step, val_loss=val_loss,
+                val_ppl=ppl)
+        if last or stopping or step % cfg.save_every == 0:
+            # poison is never saved: not in a non-finite streak, nor weights blown up while finite
+            top = max_abs_weight(raw_model)
+            why = f"{bad_streak} non-finite steps in a row" if bad_streak else (
+                None if top <= limit else f"the weights have exploded (max |w| {top:.3g})")
+            if why:
+                log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event", event="not_saved", step=step)
+                bad_streak = bad_streak or max(1, cfg.nan_guard)  # blown up while finite: roll back at once
+            elif writes:
+                t0 = time.time()
+                save_checkpoint(cfg, step, raw_model, optimizer, dict(
+                    tokens_seen=step * cfg.total_batch_size, skipped_steps=skipped, optimizer_steps=step - skipped,
+                    data=batches.state_dict(), wandb_run_id=run_id, tokenizer=source.tokenizer,
+                    wall_time=time.time() - t_start))
+                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)", kind="event",
+                    event="checkpoint", step=step)
+            rollbacks = rollbacks if why else []
+        t_log += time.time() - t_pause
+    if bad_streak:
+        raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not saved; "
+                         f"resume from the newest checkpoint in {out} with a lower --lr")
+    if stopping:
+        log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume with --resume auto")
 
-# -----------------------------------------------------------------------------
-# command line
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -527,9 +496,6 @@ def main(**flags):
         raise typer.Exit(2)
     except KeyboardInterrupt:  # before training started (after it, Ctrl-C saves and exits cleanly)
         raise typer.Exit(130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 main.__signature__ = inspect.signature(TrainConfig)  # the flags are TrainConfig's fields, written once
