@@ -67,7 +67,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     _check_json(meta, "meta")
     tensors = _independent(module.state_dict())
     # the current CUDA device's RNG only: asking for all would create a context on every GPU from rank 0
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
     numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
     rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
@@ -104,9 +104,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
 def _unwrap(model):
     # DDP keeps the model in `.module`, torch.compile in `._orig_mod`, and they nest; a wrapper has that one child
     inner = getattr(model, "_orig_mod", getattr(model, "module", None))
-    if isinstance(inner, torch.nn.Module) and list(model.children()) == [inner]:
-        return _unwrap(inner)
-    return model
+    return _unwrap(inner) if isinstance(inner, torch.nn.Module) and list(model.children()) == [inner] else model
 
 
 def _independent(state):
@@ -121,36 +119,30 @@ def _independent(state):
 
 def _check_json(x, where):
     # json.dumps would quietly turn int keys into strings and write NaN (not JSON): refused now, not at resume
-    if x is None or isinstance(x, (str, bool, int)) or (isinstance(x, float) and math.isfinite(x)):
-        return
-    if isinstance(x, (list, tuple)) or (isinstance(x, dict) and all(isinstance(k, str) for k in x)):
+    if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(isinstance(k, str) for k in x):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
             _check_json(v, f"{where}[{k!r}]")
-        return
-    raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which JSON cannot hold exactly; store "
-                          f"plain values (finite floats, str keys) before saving")
+    elif not (x is None or isinstance(x, (str, bool, int)) or isinstance(x, float) and math.isfinite(x)):
+        raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which JSON cannot hold exactly; store "
+                              f"plain values (finite floats, str keys) before saving")
 
 
 def _check_plain(x, where):
     # weights_only=True unpickles tensors and plain values only: anything else is refused now, not at resume
-    if x is None or isinstance(x, (str, bool, int, float, torch.Tensor, torch.dtype, torch.device, torch.Size)):
-        return
     if type(x) in (list, tuple, dict):
         for k, v in x.items() if type(x) is dict else enumerate(x):
             _check_plain(k, f"{where} key")
             _check_plain(v, f"{where}[{k!r}]")
-        return
-    raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} would not load with weights_only=True")
+    elif not (x is None or isinstance(x, (str, bool, int, float, torch.Tensor, torch.dtype, torch.device, torch.Size))):
+        raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} would not load with weights_only=True")
 
 
 def _write(tmp, write):
     # write(tmp), then fsync it while hashing it (measured: a third faster than one after the other)
     write(tmp)
-    with ThreadPoolExecutor(1) as pool:
-        synced = pool.submit(_fsync, tmp)
-        info = {"bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
-        synced.result()
-    return info
+    with ThreadPoolExecutor(2) as pool:
+        _, sha256 = pool.map(lambda f: f(tmp), [_fsync, _sha256])
+    return {"bytes": tmp.stat().st_size, "sha256": sha256}
 
 
 def _fsync(path):
