@@ -263,8 +263,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as e:
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but cannot be read "
                                 f"({str(e)[:200]})") from None
-    own = module.state_dict()  # detached views of the live parameters and buffers
-    common = sorted(own.keys() & tensors.keys())
+    own = module.state_dict()
     diffs, saved, live = [], meta.get("model_config"), getattr(module, "config", None)
     if saved is not None and dataclasses.is_dataclass(live):
         live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
@@ -274,7 +273,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     if missing or unexpected:
         diffs.append(f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}")
     shapes = [f"{k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
-              for k in common if tensors[k].shape != own[k].shape]
+              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
     if shapes:  # an error even with strict=False
         diffs.append("shapes differ: " + "; ".join(shapes))
     if shapes or (diffs and strict):
@@ -289,9 +288,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: {e}") from None
-    with torch.no_grad():
-        for k in common:
-            own[k].copy_(tensors[k])  # in place: parameters tied to each other stay tied
+    module.load_state_dict(tensors, strict=False)  # copies in place: parameters tied to each other stay tied
     if restore_rng:  # the setters want CPU byte tensors, wherever map_location put them
         torch.set_rng_state(state["rng"]["torch"].cpu())
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
