@@ -269,16 +269,13 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
         diffs = [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, model {live.get(k, '<absent>')!r}"
                  for k in sorted(saved.keys() | live.keys()) if saved.get(k, "<absent>") != live.get(k, "<absent>")]
-    missing, unexpected = sorted(own.keys() - tensors.keys()), sorted(tensors.keys() - own.keys())
-    if missing or unexpected:
-        diffs.append(f"missing keys {missing or 'none'}; unexpected keys {unexpected or 'none'}")
-    shapes = [f"{k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
+    diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]
+    diffs += [f"{k}: not in the model" for k in sorted(tensors.keys() - own.keys())]
+    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
               for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
-    if shapes:  # an error even with strict=False
-        diffs.append("shapes differ: " + "; ".join(shapes))
-    if shapes or (diffs and strict):
-        raise CheckpointError(f"{where} does not fit the model: {'; '.join(diffs)}. Build the model from its "
-                              f"meta['model_config'], or where shapes agree strict=False loads the keys both have")
+    if shapes or (diffs and strict):  # a shape that differs is an error even with strict=False
+        raise CheckpointError(f"{where} does not fit the model: {'; '.join(diffs + shapes)}. Build the model from "
+                              f"its meta['model_config'], or where shapes agree strict=False loads the keys both have")
     if diffs:
         warnings.warn(f"{where} is from another model, loading the keys both have: {'; '.join(diffs)}", stacklevel=2)
     if optimizer is not None:

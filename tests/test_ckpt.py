@@ -472,7 +472,7 @@ def test_key_mismatch_lists_missing_and_unexpected_keys(tmp_path):
     b, _ = make(1)
     b.register_buffer("extra", torch.zeros(2))
     del b.mask
-    with pytest.raises(CheckpointError, match=r"missing keys \['extra'\]; unexpected keys \['mask'\]"):
+    with pytest.raises(CheckpointError, match="extra: not in the checkpoint; mask: not in the model"):
         ckpt.load(tmp_path, 1, b)
     ckpt.load(tmp_path, 1, b, strict=False)  # the keys both have
     assert torch.equal(b.emb.weight, a.emb.weight) and torch.equal(b.extra, torch.zeros(2))
@@ -486,7 +486,7 @@ def test_shape_mismatch_is_always_an_error(tmp_path):
         ckpt.load(tmp_path, 1, b)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(CheckpointError, match=r"shapes differ: emb.weight: checkpoint \[17, 8\], model \[17, 4\]"):
+        with pytest.raises(CheckpointError, match=r"shape of emb.weight: checkpoint \[17, 8\], model \[17, 4\]"):
             ckpt.load(tmp_path, 1, b, strict=False)
 
 
