@@ -1,10 +1,9 @@
 """Checkpoints: atomic save, discovery, verified load, retention, and the one writer's lock.
 
-Step N of a run is three files in its directory:
+Step N of a run is three files in its directory, the meta recording the others' bytes and sha256 under "files":
     model_step_N.safetensors   the unwrapped model's weights (a tied tensor is written under each name, as a copy)
     optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, for torch.load(weights_only=True)
-    meta_step_N.json           the caller's meta + step, time, versions, model_config, and under "files" the bytes
-                               and sha256 of the two files above
+    meta_step_N.json           the caller's meta + step, time, versions, model_config, files
 
 save refuses what it can before it writes a byte. It writes each file under a temporary name (".NAME.tmp") and
 fsyncs it, then renames the data files into place and the meta last, as the commit, fsyncing the directory after
@@ -59,9 +58,8 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
     module = _unwrap(model)
-    versions = {"torch": torch.__version__, "python": platform.python_version(), "numpy": np.__version__,
-                "safetensors": safetensors.__version__}
-    meta = dict(meta or {}, step=step, time=time.time(), versions=versions)
+    meta = dict(meta or {}, step=step, time=time.time(), versions={"torch": torch.__version__, "numpy": np.__version__,
+                "python": platform.python_version(), "safetensors": safetensors.__version__})
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
     _check_json(meta, "meta")
@@ -190,8 +188,7 @@ def lock(dir):
         raise CheckpointError(f"{d} is in use by another run ({(d / '.lock').read_text().strip() or 'unknown'}); "
                               f"wait for it to finish or stop it, or use another directory") from None
     except OSError as e:
-        raise CheckpointError(f"{d} is not writable ({e.strerror}); choose another directory or fix its "
-                              f"permissions") from None
+        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its permissions") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     return f
@@ -245,8 +242,7 @@ def read_meta(dir, step, verify=False):
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
             for name, found in zip(hashes, pool.map(_sha256, [d / name for name in hashes])):
                 if found != hashes[name]:
-                    raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 {found[:16]}..., "
-                                            f"{meta_name} says {str(hashes[name])[:16]}...)")
+                    raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 mismatch)")
     return meta
 
 
@@ -261,8 +257,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         path = d / optim_name
         state = torch.load(path, map_location=map_location, weights_only=True)
     except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as e:
-        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but cannot be read "
-                                f"({str(e)[:200]})") from None
+        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable ({str(e)[:200]})") from None
     own = module.state_dict()
     diffs, saved, live = [], meta.get("model_config"), getattr(module, "config", None)
     if saved is not None and dataclasses.is_dataclass(live):

@@ -191,7 +191,7 @@ def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
         meta = json.loads((out / "meta_step_10.json").read_text())
         meta["files"][name]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         (out / "meta_step_10.json").write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="model_step_10.safetensors matches its sha256 but cannot be read"):
+    with pytest.warns(UserWarning, match="model_step_10.safetensors matches its sha256 but is unreadable"):
         result = runner.invoke(sample.app, ["--out-dir", str(out), "--max-new-tokens", "3", "--num-samples", "2"])
     assert result.exit_code == 0 and "(step 5)" in result.output
     text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--out-dir", out)
