@@ -110,7 +110,7 @@ def _independent(state):
     seen, out = set(), {}
     for name, t in state.items():
         ptr = t.untyped_storage().data_ptr()
-        out[name] = t.detach().clone() if ptr in seen else t.detach().contiguous()
+        out[name] = t.clone() if ptr in seen else t.contiguous()  # state_dict() gives detached tensors
         seen.add(ptr)
     return out
 
@@ -219,7 +219,7 @@ def list_steps(dir):
 
 def latest_step(dir):
     """The highest step of `dir` that counts, or None."""
-    return (list_steps(dir) or [None])[-1]
+    return max(list_steps(dir), default=None)
 
 
 def read_meta(dir, step, verify=False):
@@ -258,9 +258,8 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         state = torch.load(path, map_location=map_location, weights_only=True)
     except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as e:
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable ({str(e)[:200]})") from None
-    own = module.state_dict()
-    diffs, saved, live = [], meta.get("model_config"), getattr(module, "config", None)
-    if saved is not None and dataclasses.is_dataclass(live):
+    own, diffs, saved = module.state_dict(), [], meta.get("model_config")
+    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
         live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
         diffs = [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, model {live.get(k, '<absent>')!r}"
                  for k in sorted(saved.keys() | live.keys()) if saved.get(k, "<absent>") != live.get(k, "<absent>")]
