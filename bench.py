@@ -781,6 +781,8 @@ def compile_launches(launches: list, archs: list) -> list:
     import triton
     from triton.backends.compiler import GPUTarget
 
+    import kernels as K
+
     if triton.knobs.runtime.interpret:
         raise RuntimeError("compile_launches needs Triton not interpreted: run it with TRITON_INTERPRET=0")
     rows, seen = [], set()
@@ -796,6 +798,9 @@ def compile_launches(launches: list, archs: list) -> list:
                     fn = _jit_function(launch["module"], launch["name"])
                     args = [_stand_in(a) for a in launch["args"]]
                     kwargs = {k: _stand_in(v) for k, v in launch["kwargs"].items()}
+                    if launch["name"] == "_mixer_bwd":  # what kernels.py adds on a GPU of this arch, shown in its row
+                        kwargs |= K._bwd_options(arch // 10)
+                        row["constexprs"] |= K._bwd_options(arch // 10)
                     with contextlib.redirect_stdout(io.StringIO()) as log:
                         kernel = fn.warmup(*args, grid=(1,), **kwargs)
                     if (arch, kernel.hash) in seen:  # the same specialization launched again: the same binary

@@ -954,6 +954,13 @@ def _mixer_tiles(C, P, N, dot_dtype, acc_dtype):
     return tiles
 
 
+def _bwd_options(major):
+    """Launch options of _mixer_bwd on a GPU of compute capability `major`.x. On sm_8x, ptxas -O3 gives it only 32
+    to 40 registers and a 41-48 KB stack a thread; capped at 255 it takes them all and spills 10 KB. On sm_90 the
+    cap spills more than ptxas's own choice (3.0 KB against 2.8), so it is left alone (bench.py compile)."""
+    return {"maxnreg": 255} if major == 8 else {}
+
+
 def _halves(states, tiles):
     # a descriptor that moves one (PP, NH) half of a saved mixer state per load or store
     return TensorDescriptor.from_tensor(states.view(-1, 2 * tiles["NH"]), [tiles["PP"], tiles["NH"]])
@@ -1117,7 +1124,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
                                part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles)
+                               HAS_RESET=reset is not None, **tiles,
+                               **_bwd_options(torch.cuda.get_device_capability(zx.device)[0] if zx.is_cuda else 0))
         TB = 32
         _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
                                              TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)

@@ -374,7 +374,8 @@ for arch in (80, 90):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 64 if arch >= 90 else 32),
-                                options={"num_warps": 4} if fn is K._sum_heads else options)
+                                options={"num_warps": 4} if fn is K._sum_heads else
+                                dict(options, **K._bwd_options(arch // 10)) if fn is K._mixer_bwd else options)
         wgmma = "wgmma" in kernel.asm["ptx"]
         print("compiled", arch, fn.__name__, "wgmma" if wgmma else "-")
 """
