@@ -799,8 +799,8 @@ def compile_launches(launches: list, archs: list) -> list:
                     args = [_stand_in(a) for a in launch["args"]]
                     kwargs = {k: _stand_in(v) for k, v in launch["kwargs"].items()}
                     if launch["name"] == "_mixer_bwd":  # what kernels.py adds on a GPU of this arch, shown in its row
-                        kwargs |= K._bwd_options(arch // 10)
-                        row["constexprs"] |= K._bwd_options(arch // 10)
+                        options = K._bwd_options(arch // 10)
+                        kwargs, row["constexprs"] = kwargs | options, row["constexprs"] | options
                     with contextlib.redirect_stdout(io.StringIO()) as log:
                         kernel = fn.warmup(*args, grid=(1,), **kwargs)
                     if (arch, kernel.hash) in seen:  # the same specialization launched again: the same binary

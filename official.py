@@ -257,10 +257,7 @@ def export(run_dir, out_dir, step=None) -> Path:
         if out.exists():  # the swap: the earlier export goes only once the new one is in place
             os.rename(out, old)
             os.rename(staging, out)
-            for p in old.iterdir():
-                if p.name not in FILES:  # a user's own files (evaluation results, say) stay
-                    os.rename(p, out / p.name)
-            shutil.rmtree(old)
+            _retire(old, out)
         else:
             os.rename(staging, out)
     except BaseException as e:
@@ -289,10 +286,15 @@ def _recover(out):
         elif not out.exists():
             os.rename(stale, out)
         else:
-            for p in stale.iterdir():
-                if p.name not in FILES and not (out / p.name).exists():
-                    os.rename(p, out / p.name)
-            shutil.rmtree(stale)
+            _retire(stale, out)
+
+
+def _retire(old, out):
+    # the replaced export goes, but a user's own files in it (evaluation results, say) move into the new one
+    for p in old.iterdir():
+        if p.name not in FILES and not (out / p.name).exists():
+            os.rename(p, out / p.name)
+    shutil.rmtree(old)
 
 
 def read_pretrained(path):
