@@ -955,10 +955,13 @@ def _mixer_tiles(C, P, N, dot_dtype, acc_dtype):
 
 
 def _bwd_options(major):
-    """Launch options of _mixer_bwd on a GPU of compute capability `major`.x. On sm_8x, ptxas -O3 gives it only 32
-    to 40 registers and a 41-48 KB stack a thread; capped at 255 it takes them all and spills 10 KB. On sm_90 the
-    cap spills more than ptxas's own choice (3.0 KB against 2.8), so it is left alone (bench.py compile)."""
-    return {"maxnreg": 255} if major == 8 else {}
+    """What _mixer_bwd's launch on a GPU of compute capability `major`.x changes of _mixer_tiles' options. On sm_8x
+    Triton lays out every product of a loop body with all warps along its rows, 16 rows a warp: at 8 warps each
+    64-row tile is computed and held twice, so 4 warps do the same work with half the registers of an SM and spill
+    less (9.8 KB a thread against 10.4 on sm_80, 9.1 on sm_86 and sm_89). ptxas -O3 would give it only 32 to 40
+    registers and a 41-48 KB stack: capped at 255 it takes them all. On sm_90 neither helps (the cap spills 3.0 KB
+    against 2.8, 4 warps 9.7; bench.py compile)."""
+    return {"num_warps": 4, "maxnreg": 255} if major == 8 else {}
 
 
 def _halves(states, tiles):
@@ -1124,8 +1127,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
                                part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles,
-                               **_bwd_options(torch.cuda.get_device_capability(zx.device)[0] if zx.is_cuda else 0))
+                               HAS_RESET=reset is not None,
+                               **tiles | _bwd_options(torch.cuda.get_device_capability(zx.device)[0] if zx.is_cuda else 0))
         TB = 32
         _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S,
                                              TB=TB, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc], num_warps=4)
