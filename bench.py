@@ -1192,6 +1192,51 @@ def _count(fn):
     return counter.bytes, counter.calls
 
 
+@contextlib.contextmanager
+def official_mamba3(src: Path):
+    """state-spaces/mamba's Mamba3 layer class from a checkout at src, made to run on CPU tensors through Triton's
+    interpreter so that its bytes count as ours do. Its package is imported without its __init__ (which imports
+    transformers); what it asks of a CUDA device is answered for an H100 (compute capability 9.0, 132 SMs, by
+    which its RMS norm's backward splits its rows); its cos, sin and tanh approximations (PTX inline assembly,
+    which the interpreter cannot run) become Triton's functions, the same bytes; autotuning runs the first config
+    (the configs differ in warps, stages, register caps and, in two elementwise kernels, tile length: the same
+    bytes); its checks that tensors are on CUDA pass. All of it is undone on exit."""
+    import types
+    from unittest import mock
+
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
+    import kernels as K
+
+    package = src / "mamba_ssm"
+    # (plain functions: the interpreter runs a kernel as Python, with triton.language's functions on numpy)
+    standins = {"cos_approx": lambda x: tl.cos(x), "sin_approx": lambda x: tl.sin(x), "tanh_approx": K._tanh,
+                "sech2_approx": lambda x: 1.0 - K._tanh(x) * K._tanh(x),
+                "_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8),  # TMA scratch
+                "_triton_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)}
+    stub = types.ModuleType("mamba_ssm")
+    stub.__path__ = [str(package)]
+    device, prune = torch.cuda.device, Autotuner.prune_configs
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(sys.modules, {"mamba_ssm": stub}))
+        for target, name, value in (
+                (torch.cuda, "device", lambda index: contextlib.nullcontext() if index is None else device(index)),
+                (torch.cuda, "get_device_capability", lambda *args: (9, 0)),
+                (torch.cuda, "get_device_properties", lambda *args: types.SimpleNamespace(multi_processor_count=132)),
+                (torch.Tensor, "is_cuda", property(lambda self: True)),
+                (Autotuner, "prune_configs", lambda self, kwargs: prune(self, kwargs)[:1])):
+            stack.enter_context(mock.patch.object(target, name, value))
+        try:
+            from mamba_ssm.modules.mamba3 import Mamba3
+        except ImportError as e:
+            fail(f"--official: the Mamba-3 layer in {src} does not import here ({e}); install what it needs")
+        for module in [m for name, m in sys.modules.items() if name.startswith("mamba_ssm.ops.triton.mamba3.")]:
+            for name in standins.keys() & vars(module).keys():
+                stack.enter_context(mock.patch.object(module, name, standins[name]))
+        yield Mamba3
+
+
 @command()
 def traffic(
     batch_size: int = typer.Option(1, min=1, help="B"),
@@ -1202,21 +1247,27 @@ def traffic(
     ngroups: int = typer.Option(1, min=1, help="G"),
     chunk_size: int = typer.Option(64, min=16, help="C"),
     dtype: DType = typer.Option("bf16", help="in_proj's output dtype."),
+    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False, help="A checkout of "
+                                            "state-spaces/mamba: its Mamba-3 SISO layer's region is counted too."),
 ):
     """Bytes one layer's mixer region (in_proj's output -> out_proj's input) moves, forward and backward, counted
     without a GPU: Triton's interpreter counts the kernels' loads and stores, a dispatch mode every eager op's
     inputs and outputs; in_proj and out_proj are left out. Next to the compulsory minimum: each input read once
     (the backward reads them again: they are what it saves), each output written once, what the fused path saves
     besides its inputs (the per-chunk states and phases) written and read once, the incoming gradient read once
-    and each gradient written once. Contrast: the eager glue around ssd(impl="triton")."""
+    and each gradient written once. Contrast: the eager glue around ssd(impl="triton"), and with --official the
+    official Mamba-3 SISO layer (its Triton kernels and eager glue) on the same input, counted the same way."""
     import subprocess
     import sys
 
+    if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
+        fail(f"--official {official} is not a checkout of state-spaces/mamba with Mamba-3 (it has no "
+             "mamba_ssm/ops/triton/mamba3)")
     if os.environ.get("TRITON_INTERPRET") != "1":
         # the interpreter is chosen when triton is imported: count in a fresh process that has it on
         args = [sys.executable, os.path.abspath(__file__), "traffic", "--batch-size", str(batch_size), "--seq-len", str(seq_len),
                 "--heads", str(heads), "--headdim", str(headdim), "--d-state", str(d_state), "--ngroups", str(ngroups),
-                "--chunk-size", str(chunk_size), "--dtype", dtype]
+                "--chunk-size", str(chunk_size), "--dtype", dtype] + (["--official", str(official)] if official else [])
         raise typer.Exit(subprocess.run(args, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode)
 
     import kernels as K
@@ -1243,6 +1294,19 @@ def traffic(
         fwd = _count(lambda: box.update(out=region()))
         bwd = _count(lambda: torch.autograd.grad(box["out"], [zx] + params, dout))
         counts[name] = fwd, bwd
+    if official:
+        with official_mamba3(official) as Mamba3:
+            theirs = Mamba3(d_model=cfg.d_model, d_state=d_state, headdim=headdim, ngroups=ngroups,
+                            chunk_size=chunk_size)
+            if theirs.num_rope_angles != cfg.n_angles:
+                fail(f"the official layer turns {theirs.num_rope_angles} pairs at d_state {d_state}, ours "
+                     f"{cfg.n_angles}: not the same computation")
+            theirs.in_proj, theirs.out_proj = torch.nn.Identity(), torch.nn.Identity()
+            version = re.search(r'__version__ = "(.*)"', (official / "mamba_ssm" / "__init__.py").read_text())
+            box = {}
+            fwd = _count(lambda: box.update(out=theirs(zx)))
+            bwd = _count(lambda: torch.autograd.grad(box["out"], [zx] + list(theirs.parameters()), dout))
+            counts[f"official Mamba-3 SISO (mamba_ssm {version.group(1) if version else '?'})"] = fwd, bwd
 
     # the compulsory minimum, from the tensors themselves
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -1252,8 +1316,9 @@ def traffic(
     minimum = (inputs + out + saved, inputs + saved + nbytes(dout) + inputs)  # the gradients are the inputs' size
     rows = [["compulsory minimum", f"{minimum[0] / 1e6:.3f}", f"{minimum[1] / 1e6:.3f}", f"{sum(minimum) / 1e6:.3f}",
              "1.00x", "", ""]]
+    totals = {name: sum(fwd[0].values()) + sum(bwd[0].values()) for name, (fwd, bwd) in counts.items()}
     for name, (fwd, bwd) in counts.items():
-        total = sum(fwd[0].values()) + sum(bwd[0].values())
+        total = totals[name]
         launches = "/".join(str(sum(v for k, v in c[1].items() if k.startswith("triton"))) for c in (fwd, bwd))
         ops = "/".join(str(sum(v for k, v in c[1].items() if k.startswith("eager"))) for c in (fwd, bwd))
         rows.append([name, f"{sum(fwd[0].values()) / 1e6:.3f}", f"{sum(bwd[0].values()) / 1e6:.3f}",
@@ -1265,6 +1330,9 @@ def traffic(
     who = sorted(set(fwd[0]) | set(bwd[0]), key=lambda k: -(fwd[0][k] + bwd[0][k]))
     print_table("the fused path, by kernel or op (MB)", ["kernel / op", "fwd", "bwd"],
                 [[k, f"{fwd[0][k] / 1e6:.3f}", f"{bwd[0][k] / 1e6:.3f}"] for k in who])
+    for name in [name for name in totals if name.startswith("official")]:
+        console.print(f"the fused path moves {totals[name] / totals['fused (kernels.mixer_triton)']:.2f}x fewer "
+                      f"bytes than the {name}")
     console.print(f"saved for the backward besides the inputs: states {nbytes(states) / 1e6:.3f} MB, "
                   f"phases {nbytes(phase) / 1e6:.3f} MB. machine: {machine()}")
 

@@ -183,3 +183,9 @@ def test_traffic_counts_the_fused_path_against_the_compulsory_minimum():
     fused = next(v for k, v in ratios.items() if k.startswith("fused"))
     eager = next(v for k, v in ratios.items() if k.startswith("eager"))
     assert 1.0 < fused < eager, ratios
+
+
+def test_traffic_refuses_an_official_directory_that_is_not_a_mamba_checkout(tmp_path):
+    result = invoke("traffic", "--official", tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert result.output.startswith("error: --official") and "not a checkout of state-spaces/mamba" in result.output
