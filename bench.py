@@ -609,6 +609,67 @@ def train_step(
 
 
 # -----------------------------------------------------------------------------
+# the official Mamba-3 layer (state-spaces/mamba), for comparison: compile and traffic --official
+
+def _check_official(official: Optional[Path]):
+    if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
+        fail(f"--official {official} is not a checkout of state-spaces/mamba with Mamba-3 (it has no "
+             "mamba_ssm/ops/triton/mamba3)")
+
+
+def official_package(src):
+    """The mamba_ssm package of a state-spaces/mamba checkout at src, as a module whose submodules import without
+    running its __init__ (which imports transformers, for generation)."""
+    import types
+
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = [str(Path(src) / "mamba_ssm")]
+    return package
+
+
+@contextlib.contextmanager
+def official_mamba3(src: Path):
+    """state-spaces/mamba's Mamba3 layer class from a checkout at src, made to run on CPU tensors through Triton's
+    interpreter so that its bytes count as ours do. Its package is imported without its __init__ (which imports
+    transformers); what it asks of a CUDA device is answered for an H100 (compute capability 9.0, 132 SMs, by
+    which its RMS norm's backward splits its rows); its cos, sin and tanh approximations (PTX inline assembly,
+    which the interpreter cannot run) become Triton's functions, the same bytes; autotuning runs the first config
+    (the configs differ in warps, stages, register caps and, in two elementwise kernels, tile length: the same
+    bytes); its checks that tensors are on CUDA pass. All of it is undone on exit."""
+    import types
+    from unittest import mock
+
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
+    import kernels as K
+
+    # (plain functions: the interpreter runs a kernel as Python, with triton.language's functions on numpy)
+    standins = {"cos_approx": lambda x: tl.cos(x), "sin_approx": lambda x: tl.sin(x), "tanh_approx": K._tanh,
+                "sech2_approx": lambda x: 1.0 - K._tanh(x) * K._tanh(x),
+                "_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8),  # TMA scratch
+                "_triton_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)}
+    device, prune = torch.cuda.device, Autotuner.prune_configs
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(sys.modules, {"mamba_ssm": official_package(src)}))
+        for target, name, value in (
+                (torch.cuda, "device", lambda index: contextlib.nullcontext() if index is None else device(index)),
+                (torch.cuda, "get_device_capability", lambda *args: (9, 0)),
+                (torch.cuda, "get_device_properties", lambda *args: types.SimpleNamespace(multi_processor_count=132)),
+                (torch.Tensor, "is_cuda", property(lambda self: True)),
+                (Autotuner, "prune_configs", lambda self, kwargs: prune(self, kwargs)[:1])):
+            stack.enter_context(mock.patch.object(target, name, value))
+        try:
+            from mamba_ssm.modules.mamba3 import Mamba3
+        except ImportError as e:
+            fail(f"--official: the Mamba-3 layer in {src} does not import here ({e}); install what it needs")
+        for module in [m for name, m in sys.modules.items() if name.startswith("mamba_ssm.ops.triton.mamba3.")]:
+            for name in standins.keys() & vars(module).keys():
+                stack.enter_context(mock.patch.object(module, name, standins[name]))
+        yield Mamba3
+
+
+# -----------------------------------------------------------------------------
 # bench.py compile
 #
 # What a GPU's compiler makes of the Triton kernels, without a GPU. First, one mixer layer runs forward and
@@ -714,6 +775,37 @@ def capture_launches(batch_size: int = 1, seq_len: int = 128, heads: int = 32, d
     return launches
 
 
+def capture_official_launches(src: str, batch_size: int = 1, seq_len: int = 128, heads: int = 32,
+                              dtype: str = "bf16") -> list:
+    """capture_launches for the official Mamba-3 SISO layer at src (official_mamba3) with layer_config(heads)'s
+    widths, its region alone. An autotuned kernel is launched once per config of its autotuner that has
+    num_stages 1 (warps and register caps; on a GPU the autotuner picks by speed): compile_launches compiles
+    each, and the compile table shows the one that spills least."""
+    import importlib
+
+    cfg = layer_config(heads)
+    with official_mamba3(Path(src)) as Mamba3, recording_launches() as launches:
+        torch.manual_seed(0)
+        theirs = Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                        chunk_size=cfg.chunk_size)
+        zx = torch.randn(batch_size, seq_len, theirs.in_proj.out_features, dtype=TORCH_DTYPE[dtype],
+                         requires_grad=True)
+        theirs.in_proj, theirs.out_proj = torch.nn.Identity(), torch.nn.Identity()
+        y = theirs(zx)
+        torch.autograd.grad(y, [zx, *theirs.parameters()], torch.randn_like(y))
+        tuners = {(l["module"], l["name"]): getattr(importlib.import_module(l["module"]), l["name"]) for l in launches}
+    expanded = []
+    for launch in launches:
+        configs = [c for c in getattr(tuners[launch["module"], launch["name"]], "configs", []) if c.num_stages == 1]
+        for config in configs or [None]:
+            kwargs = dict(launch["kwargs"])
+            if config is not None:  # this config's warps, cap and tile in place of the first config's
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "maxnreg")}
+                kwargs.update({k: v for k, v in config.all_kwargs().items() if v is not None})
+            expanded.append(dict(launch, kwargs=kwargs))
+    return expanded
+
+
 class _OfflineGPU:
     """What JITFunction.warmup asks of Triton's active driver, answered for a GPU that is not here."""
 
@@ -772,7 +864,7 @@ def _ptxas_figures(log: str) -> dict:
     return dict(registers=int(registers.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
 
 
-def compile_launches(launches: list, archs: list) -> list:
+def compile_launches(launches: list, archs: list, official: Optional[str] = None) -> list:
     """Compile each launch (capture_launches' output) for each compute capability in archs (80 is sm_80) and
     report per distinct binary: registers and spill bytes as ptxas -v reported them while Triton built the
     cubin, shared memory from the kernel's metadata, whether its Triton IR has a tl.dot and whether its SASS
@@ -785,6 +877,8 @@ def compile_launches(launches: list, archs: list) -> list:
 
     if triton.knobs.runtime.interpret:
         raise RuntimeError("compile_launches needs Triton not interpreted: run it with TRITON_INTERPRET=0")
+    if official:  # the official kernels' modules, importable here
+        sys.modules.setdefault("mamba_ssm", official_package(official))
     rows, seen = [], set()
     with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope():
         triton.knobs.compilation.always_compile = True  # no cache: ptxas runs, and logs, for every binary
@@ -862,17 +956,22 @@ def compile_(
                                 "L 2048, at eight times the capture time or more)."),
     heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32; P, N and C are always 440m's)."),
     dtype: DType = typer.Option("bf16", help="Autocast dtype of that run, as train.py --dtype (fp32: none)."),
+    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False, help="A checkout of "
+                                            "state-spaces/mamba: its Mamba-3 SISO layer's kernels are compiled too."),
 ):
     """Every Triton kernel a Mamba-3 layer launches, compiled for sm_80 / sm_90 on this machine: no GPU needed.
 
     One mixer layer with the 440m layer's widths (P 64, N 128, chunk 64) runs forward and backward through
     Triton's interpreter on CPU tensors, which records every kernel launch; each is then compiled with Triton's
     own compiler for each --arch exactly as launched. Reports registers, spill bytes, shared memory and, on
-    sm_90, whether the code uses wgmma. Targets: [bold]no spills on any architecture, wgmma on sm_90[/bold]."""
+    sm_90, whether the code uses wgmma. Targets: [bold]no spills on any architecture, wgmma on sm_90[/bold].
+    With --official, the official layer's kernels at the same widths, each in every config its autotuner has
+    with num_stages 1, the one that spills least shown."""
     import triton
 
     if "nvidia" not in triton.backends.backends:
         fail(f"this Triton build ({triton.__version__}) has no NVIDIA backend to compile with")
+    _check_official(official)
     t0 = time.perf_counter()
     launches = run_isolated("capture_launches", True, batch_size=batch_size, seq_len=seq_len, heads=heads,
                             dtype=dtype)
@@ -896,6 +995,24 @@ def compile_(
                                                      f"{len(dots90)} kernels with a tl.dot use it)" if no_wgmma else "met"))
     console.print("registers and spill bytes: ptxas -v as Triton ran it for each cubin; shared memory: the compiled "
                   "kernel's metadata; wgmma: HGMMA instructions in the cubin's SASS (cuobjdump)")
+    if official:
+        launches = run_isolated("capture_official_launches", True, src=str(official), batch_size=batch_size,
+                                seq_len=seq_len, heads=heads, dtype=dtype)
+        theirs = run_isolated("compile_launches", False, launches=launches, archs=[ARCHS[a.value] for a in arch],
+                              official=str(official))
+        failed += [r for r in theirs if "error" in r]
+        best = {}
+        for r in (r for r in theirs if "error" not in r):  # per kernel and arch, the config that spills least
+            key = r["kernel"], r["arch"]
+            if key not in best or r["spill_stores"] < best[key]["spill_stores"]:
+                best[key] = dict(r, configs=best.get(key, {}).get("configs", 0))
+            best[key]["configs"] += 1
+        print_table("the official Mamba-3 SISO layer's kernels at the same widths: per kernel, the config with the "
+                    "fewest spill bytes", ["kernel", "arch", "configs", "warps", "maxnreg", "registers",
+                                           "spill st / ld bytes", "wgmma"],
+                    [[k, f"sm_{a}", r["configs"], r["num_warps"], r["constexprs"].get("maxnreg", "-"), r["registers"],
+                      f"{r['spill_stores']} / {r['spill_loads']}", f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "-"]
+                     for (k, a), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0]))])
     console.print(f"machine: {machine()}, triton {triton.__version__}, no GPU used")
     if failed:
         raise typer.Exit(1)
@@ -1192,51 +1309,6 @@ def _count(fn):
     return counter.bytes, counter.calls
 
 
-@contextlib.contextmanager
-def official_mamba3(src: Path):
-    """state-spaces/mamba's Mamba3 layer class from a checkout at src, made to run on CPU tensors through Triton's
-    interpreter so that its bytes count as ours do. Its package is imported without its __init__ (which imports
-    transformers); what it asks of a CUDA device is answered for an H100 (compute capability 9.0, 132 SMs, by
-    which its RMS norm's backward splits its rows); its cos, sin and tanh approximations (PTX inline assembly,
-    which the interpreter cannot run) become Triton's functions, the same bytes; autotuning runs the first config
-    (the configs differ in warps, stages, register caps and, in two elementwise kernels, tile length: the same
-    bytes); its checks that tensors are on CUDA pass. All of it is undone on exit."""
-    import types
-    from unittest import mock
-
-    import triton.language as tl
-    from triton.runtime.autotuner import Autotuner
-
-    import kernels as K
-
-    package = src / "mamba_ssm"
-    # (plain functions: the interpreter runs a kernel as Python, with triton.language's functions on numpy)
-    standins = {"cos_approx": lambda x: tl.cos(x), "sin_approx": lambda x: tl.sin(x), "tanh_approx": K._tanh,
-                "sech2_approx": lambda x: 1.0 - K._tanh(x) * K._tanh(x),
-                "_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8),  # TMA scratch
-                "_triton_alloc_fn": lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)}
-    stub = types.ModuleType("mamba_ssm")
-    stub.__path__ = [str(package)]
-    device, prune = torch.cuda.device, Autotuner.prune_configs
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(sys.modules, {"mamba_ssm": stub}))
-        for target, name, value in (
-                (torch.cuda, "device", lambda index: contextlib.nullcontext() if index is None else device(index)),
-                (torch.cuda, "get_device_capability", lambda *args: (9, 0)),
-                (torch.cuda, "get_device_properties", lambda *args: types.SimpleNamespace(multi_processor_count=132)),
-                (torch.Tensor, "is_cuda", property(lambda self: True)),
-                (Autotuner, "prune_configs", lambda self, kwargs: prune(self, kwargs)[:1])):
-            stack.enter_context(mock.patch.object(target, name, value))
-        try:
-            from mamba_ssm.modules.mamba3 import Mamba3
-        except ImportError as e:
-            fail(f"--official: the Mamba-3 layer in {src} does not import here ({e}); install what it needs")
-        for module in [m for name, m in sys.modules.items() if name.startswith("mamba_ssm.ops.triton.mamba3.")]:
-            for name in standins.keys() & vars(module).keys():
-                stack.enter_context(mock.patch.object(module, name, standins[name]))
-        yield Mamba3
-
-
 @command()
 def traffic(
     batch_size: int = typer.Option(1, min=1, help="B"),
@@ -1260,9 +1332,7 @@ def traffic(
     import subprocess
     import sys
 
-    if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
-        fail(f"--official {official} is not a checkout of state-spaces/mamba with Mamba-3 (it has no "
-             "mamba_ssm/ops/triton/mamba3)")
+    _check_official(official)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # the interpreter is chosen when triton is imported: count in a fresh process that has it on
         args = [sys.executable, os.path.abspath(__file__), "traffic", "--batch-size", str(batch_size), "--seq-len", str(seq_len),

@@ -185,7 +185,8 @@ def test_traffic_counts_the_fused_path_against_the_compulsory_minimum():
     assert 1.0 < fused < eager, ratios
 
 
-def test_traffic_refuses_an_official_directory_that_is_not_a_mamba_checkout(tmp_path):
-    result = invoke("traffic", "--official", tmp_path)
+@pytest.mark.parametrize("command", ["traffic", "compile"])
+def test_an_official_directory_that_is_not_a_mamba_checkout_is_refused(command, tmp_path):
+    result = invoke(command, "--official", tmp_path)
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert result.output.startswith("error: --official") and "not a checkout of state-spaces/mamba" in result.output
