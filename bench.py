@@ -1074,9 +1074,10 @@ def check_layer(mixer, u, dy) -> list:
     return rows
 
 
-def time_layer(mixer, u, dy, reps: int) -> dict:
-    """Median seconds of one forward + backward of the layer under bf16 autocast on each scan path, and of its
-    two projections alone (in_proj and out_proj on inputs of the same shapes) to subtract."""
+def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
+    """Median seconds of one forward + backward of the layer under bf16 autocast on each scan path (and of the
+    official layer of the same widths, if given), and of its two projections alone (in_proj and out_proj on inputs
+    of the same shapes) to subtract."""
     autocast = torch.autocast(u.device.type, dtype=torch.bfloat16)
     u = u.detach().requires_grad_()
     g = torch.randn(*u.shape[:2], mixer.cfg.d_inner, device=u.device, requires_grad=True)  # an out_proj input
@@ -1100,8 +1101,15 @@ def time_layer(mixer, u, dy, reps: int) -> dict:
             a, out = mixer.in_proj(u), mixer.out_proj(g)
         torch.autograd.backward([a, out], [da, dout])
 
-    return time_interleaved({"torch": layer("torch"), "triton": layer("triton"), "projections": projections}, reps,
-                            warmup=2)
+    def theirs():
+        official.zero_grad(set_to_none=True)
+        u.grad = None
+        with autocast:
+            y = official(u)
+        y.backward(dy)
+
+    contenders = {"torch": layer("torch"), "triton": layer("triton"), "projections": projections}
+    return time_interleaved(contenders | ({"official": theirs} if official else {}), reps, warmup=2)
 
 
 def train_throughput(compile_: bool, steps: int, total_batch_size: int, timeout: float) -> dict:
@@ -1129,6 +1137,8 @@ def gpu(
     total_batch_size: int = typer.Option(16384, min=1, help="Tokens per optimizer step of those runs (default: one "
                                          "micro batch, 8 x 2048, so that 30 steps fit the time; the preset's 524,288 "
                                          "would take 32 micro-steps a step)."),
+    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False, help="A checkout of "
+                                            "state-spaces/mamba: its Mamba-3 SISO layer is timed too."),
 ):
     """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer, then train.py's tokens/s and MFU.
 
@@ -1137,10 +1147,12 @@ def gpu(
     fp32 torch reference and against each other, with tolerances. (2) Forward + backward time of that layer on
     both paths, and of the scan region alone (the layer minus its two projections) as a fraction of the HBM
     roofline of its compulsory bytes, counted from the shapes. (3) train.py on synthetic data with the 440m
-    preset, torch.compile on and off: tokens/s and MFU."""
+    preset, torch.compile on and off: tokens/s and MFU. With --official, (2) also times the official Mamba-3 layer
+    of the same widths on its own kernels."""
     if not torch.cuda.is_available():
         fail("bench.py gpu needs a CUDA GPU and torch sees none here; without one, bench.py compile shows what a "
              "GPU's compiler makes of the kernels")
+    _check_official(official)
     import triton
 
     torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
@@ -1158,17 +1170,34 @@ def gpu(
                  ""], [[name, "x".join(map(str, s)), f"{e0:.1e}", f"{e1:.1e}", f"{e2:.1e}", f"{tol:.0e}",
                         "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
 
-    t = time_layer(mixer, u, dy, reps)
+    theirs = None
+    if official:  # the official layer of the same widths, as its users run it (its own kernels, on this GPU)
+        sys.modules.setdefault("mamba_ssm", official_package(official))
+        try:
+            from mamba_ssm.modules.mamba3 import Mamba3
+
+            theirs = Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                            chunk_size=cfg.chunk_size, device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # once, to see that it runs
+                y = theirs(u)
+            y.backward(dy)
+        except Exception as e:  # a contender that does not run is a finding: shown, then the rest
+            console.print(f"the official layer in {official} did not run here: {type(e).__name__}: {e}",
+                          markup=False, highlight=False)
+            theirs = None
+    t = time_layer(mixer, u, dy, reps, theirs)
     moved = sum(region_bytes(cfg, B, L).values())
     bw = hbm_bandwidth()
     table = []
-    for path in ("torch", "triton"):
+    for path in ("torch", "triton") + (("official",) if theirs else ()):
         region = t[path] - t["projections"]
         roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
         table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}", f"{t['torch'] / t[path]:.2f}x", roofline])
     print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
                 ["scan path", "layer ms", "region ms (layer - projections)", "layer speed-up vs torch",
                  "region of HBM roofline"], table)
+    if theirs:
+        console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the official layer's time")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory traffic {moved / 1e6:,.0f} MB "
                   f"(counted from the shapes, forward + backward)" + (f" at {bw / 1e12:.2f} TB/s = "
                   f"{moved / bw * 1e3:.3f} ms" if bw else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}"))

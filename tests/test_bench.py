@@ -119,6 +119,18 @@ def test_the_gpu_layer_check_passes_through_the_interpreter():
 
 
 @pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
+    # bench.py gpu --official times the official layer beside ours: here a second layer of ours stands in for it
+    cfg = bench.layer_config(2)
+    mixer, other = Mamba3Mixer(cfg), Mamba3Mixer(cfg)
+    u, dy = torch.randn(1, 64, cfg.d_model), torch.randn(1, 64, cfg.d_model)
+    t = bench.time_layer(mixer, u, dy, reps=1, official=other)
+    assert set(t) == {"torch", "triton", "projections", "official"} and all(v > 0 for v in t.values())
+    assert other.in_proj.weight.grad is not None  # its forward and backward ran
+    assert set(bench.time_layer(mixer, u, dy, reps=1)) == {"torch", "triton", "projections"}
+
+@pytest.mark.interpreter
 def test_recording_describes_launches_as_the_jit_specializes_them():
     import triton
     import triton.language as tl
