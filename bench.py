@@ -627,6 +627,11 @@ def official_package(src):
     return package
 
 
+def official_layer(Mamba3, cfg, **kwargs):
+    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned, are ours)
+    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                  chunk_size=cfg.chunk_size, **kwargs)
+
 @contextlib.contextmanager
 def official_mamba3(src: Path):
     """state-spaces/mamba's Mamba3 layer class from a checkout at src, made to run on CPU tensors through Triton's
@@ -786,8 +791,7 @@ def capture_official_launches(src: str, batch_size: int = 1, seq_len: int = 128,
     cfg = layer_config(heads)
     with official_mamba3(Path(src)) as Mamba3, recording_launches() as launches:
         torch.manual_seed(0)
-        theirs = Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
-                        chunk_size=cfg.chunk_size)
+        theirs = official_layer(Mamba3, cfg)
         zx = torch.randn(batch_size, seq_len, theirs.in_proj.out_features, dtype=TORCH_DTYPE[dtype],
                          requires_grad=True)
         theirs.in_proj, theirs.out_proj = torch.nn.Identity(), torch.nn.Identity()
@@ -1176,8 +1180,7 @@ def gpu(
         try:
             from mamba_ssm.modules.mamba3 import Mamba3
 
-            theirs = Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
-                            chunk_size=cfg.chunk_size, device="cuda")
+            theirs = official_layer(Mamba3, cfg, device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):  # once, to see that it runs
                 y = theirs(u)
             y.backward(dy)
@@ -1395,8 +1398,7 @@ def traffic(
         counts[name] = fwd, bwd
     if official:
         with official_mamba3(official) as Mamba3:
-            theirs = Mamba3(d_model=cfg.d_model, d_state=d_state, headdim=headdim, ngroups=ngroups,
-                            chunk_size=chunk_size)
+            theirs = official_layer(Mamba3, cfg)
             if theirs.num_rope_angles != cfg.n_angles:
                 fail(f"the official layer turns {theirs.num_rope_angles} pairs at d_state {d_state}, ours "
                      f"{cfg.n_angles}: not the same computation")
