@@ -2,6 +2,9 @@
 settings, and the GPU evidence that needs no GPU: the compulsory byte count, the Triton vs torch layer check
 (through the interpreter), and (slow) every kernel the layer launches compiled for sm_90 without spills."""
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -202,3 +205,66 @@ def test_an_official_directory_that_is_not_a_mamba_checkout_is_refused(command, 
     result = invoke(command, "--official", tmp_path)
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert result.output.startswith("error: --official") and "not a checkout of state-spaces/mamba" in result.output
+
+
+OFFICIAL_KERNEL = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh_approx(x):  # PTX, as the official kernels have it: the interpreter cannot run this
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tanh_approx(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+def tanh(x):
+    assert x.is_cuda, "All tensors must be on CUDA"
+    assert torch.cuda.get_device_capability(x.device)[0] >= 8
+    y = torch.empty_like(x)
+    with torch.cuda.device(x.device.index):
+        _tanh_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return y
+'''
+
+OFFICIAL_LAYER = '''
+import torch
+from mamba_ssm.ops.triton.mamba3.kernel import tanh
+
+
+class Mamba3(torch.nn.Module):
+    def forward(self, u):
+        return tanh(u)
+'''
+
+
+OFFICIAL_CHECK = """
+import sys, torch, bench
+capability, x = torch.cuda.get_device_capability, torch.linspace(-3, 3, 20)
+with bench.official_mamba3(bench.Path(sys.argv[1])) as Mamba3:
+    torch.testing.assert_close(Mamba3()(x), torch.tanh(x))
+assert not x.is_cuda and torch.cuda.get_device_capability is capability
+assert not any(name == "mamba_ssm" or name.startswith("mamba_ssm.") for name in sys.modules)
+print("ok")
+"""
+
+
+def test_the_official_layer_runs_through_the_interpreter_and_the_patches_are_undone(tmp_path):
+    # a stand-in checkout with what the real one needs patched: an __init__ that must not run, a PTX tanh, CUDA
+    # asserts and device queries; inside official_mamba3 its layer runs on CPU tensors, and after it nothing stays.
+    # In a process of its own: the dropped modules' kernels outlive it, and Triton's bindings would say so at exit
+    package = tmp_path / "mamba_ssm"
+    (package / "ops" / "triton" / "mamba3").mkdir(parents=True)
+    (package / "modules").mkdir()
+    (package / "__init__.py").write_text("raise ImportError('the package __init__ must not run')\n")
+    (package / "ops" / "triton" / "mamba3" / "kernel.py").write_text(OFFICIAL_KERNEL)
+    (package / "modules" / "mamba3.py").write_text(OFFICIAL_LAYER)
+    done = subprocess.run([sys.executable, "-c", OFFICIAL_CHECK, str(tmp_path)], cwd=bench.ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
