@@ -1113,7 +1113,7 @@ def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
         y.backward(dy)
 
     contenders = {"torch": layer("torch"), "triton": layer("triton"), "projections": projections}
-    return time_interleaved(contenders | ({"official": theirs} if official else {}), reps, warmup=2)
+    return time_interleaved(contenders | ({"official": theirs} if official is not None else {}), reps, warmup=2)
 
 
 def train_throughput(compile_: bool, steps: int, total_batch_size: int, timeout: float) -> dict:
@@ -1192,14 +1192,14 @@ def gpu(
     moved = sum(region_bytes(cfg, B, L).values())
     bw = hbm_bandwidth()
     table = []
-    for path in ("torch", "triton") + (("official",) if theirs else ()):
+    for path in ("torch", "triton") + (("official",) if theirs is not None else ()):
         region = t[path] - t["projections"]
         roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
         table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}", f"{t['torch'] / t[path]:.2f}x", roofline])
     print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
                 ["scan path", "layer ms", "region ms (layer - projections)", "layer speed-up vs torch",
                  "region of HBM roofline"], table)
-    if theirs:
+    if theirs is not None:
         console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the official layer's time")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory traffic {moved / 1e6:,.0f} MB "
                   f"(counted from the shapes, forward + backward)" + (f" at {bw / 1e12:.2f} TB/s = "
