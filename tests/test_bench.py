@@ -133,6 +133,7 @@ def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
     assert other.in_proj.weight.grad is not None  # its forward and backward ran
     assert set(bench.time_layer(mixer, u, dy, reps=1)) == {"torch", "triton", "projections"}
 
+
 @pytest.mark.interpreter
 def test_recording_describes_launches_as_the_jit_specializes_them():
     import triton
@@ -242,7 +243,6 @@ class Mamba3(torch.nn.Module):
     def forward(self, u):
         return tanh(u)
 '''
-
 
 OFFICIAL_CHECK = """
 import sys, torch, bench
