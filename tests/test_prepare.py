@@ -452,6 +452,16 @@ def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
 
 
+def test_a_staging_directory_left_by_a_killed_run_with_our_pid_is_replaced(tmp_path):
+    # in a container every run can be PID 1: a run killed mid-way leaves .out.partial-1 to the next one
+    make_corpus(tmp_path / "corpus")
+    stale = tmp_path / f".out.partial-{os.getpid()}"
+    stale.mkdir()
+    (stale / "train_00000.bin.tmp").write_bytes(b"half a shard")
+    run([tmp_path / "corpus"], tmp_path / "out")
+    assert verify(tmp_path / "out") == [] and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
 def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):
     make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
