@@ -536,6 +536,8 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
         raise DataError(f"--workers: expected at least 1, found {workers}")
     check_parquet(files, text_field)
     out = Path(out)
+    if out.is_symlink():  # the swap renames directories: work on the one it points to, and the link stays
+        out = out.resolve()
     tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
     _recover_swap(out, log)
     replacing = _check_out(out, files, overwrite)
