@@ -295,16 +295,21 @@ def read_manifest(directory) -> dict:
             raise DataError(f"{path}: expected a {key!r} entry, found none")
     if m["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: expected dtype uint16 or uint32, found {m['dtype']!r}")
-    for name, s in m["splits"].items():
-        if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
-            raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
-        for shard in s["shards"]:
-            if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
-                raise DataError(f"{path}: a shard of split {name!r} lacks file/tokens/documents/max_token_id/sha256")
-            if Path(shard["file"]).name != shard["file"]:
-                raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
-        if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
-            raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another total")
+    try:
+        for name, s in m["splits"].items():
+            if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
+                raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
+            for shard in s["shards"]:
+                if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
+                    raise DataError(f"{path}: a shard of split {name!r} lacks "
+                                    "file/tokens/documents/max_token_id/sha256")
+                if Path(shard["file"]).name != shard["file"]:
+                    raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
+            if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
+                raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another "
+                                "total")
+    except (AttributeError, TypeError) as e:  # a list where a dict belongs, a count written as a string, ...
+        raise DataError(f"{path}: expected splits of shard entries with numeric counts, found another layout ({e})")
     return m
 
 

@@ -204,6 +204,13 @@ def test_manifest_errors(tmp_path):
     (d / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(DataError, match=r"expected format 'mamba3-lite-tokens', found 'other'"):
         open_tokens(d)
+    m = json.loads((write_manifest_dir(tmp_path / "n", {"train": s}) / "manifest.json").read_text())
+    for bad in ({**m, "splits": []}, {**m, "splits": {"train": {**m["splits"]["train"], "shards": None}}},
+                {**m, "splits": {"train": {**m["splits"]["train"], "shards": [{**m["splits"]["train"]["shards"][0],
+                                                                               "tokens": "100"}]}}}):
+        (d / "manifest.json").write_text(json.dumps(bad))  # hand-edited: the right keys, the wrong layout
+        with pytest.raises(DataError, match=r"manifest.json: expected splits of shard entries"):
+            open_tokens(d)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
