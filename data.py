@@ -449,6 +449,11 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
         paths.append(head if weighted else spec)
         weights.append(float(tail) if weighted else 1.0)
     sources = [open_tokens(path, "train", dtype) for path in paths]
+    first = sources[0].tokenizer  # raw token files record none: only manifests can be compared
+    for path, source in zip(paths[1:], sources[1:]):
+        if first and source.tokenizer and source.tokenizer != first:
+            raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, {paths[0]} with {first}: "
+                            "the same ids would mean other things; blend data made with one tokenizer")
     val = open_tokens(paths[0], "val", dtype) if "val" in splits(paths[0]) else None
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources + [val] * (val is not None):

@@ -439,6 +439,16 @@ def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
         Batches(sources, L, 1, 1, weights=[1] * len(weights), seed=2).load_state_dict(state)
 
 
+def test_blending_data_of_two_tokenizers_is_refused(tmp_path):
+    a = write_manifest_dir(tmp_path / "a", {"train": stream_of(300)})
+    b = write_manifest_dir(tmp_path / "b", {"train": stream_of(300, seed=1)})
+    assert len(data.open_blend([str(a), f"{b}:3"])[0]) == 2  # one tokenizer: fine
+    m = json.loads((b / "manifest.json").read_text())
+    (b / "manifest.json").write_text(json.dumps({**m, "tokenizer": {"name": "gpt2"}}))
+    with pytest.raises(DataError, match=r"--data .*b: made with the tokenizer \{'name': 'gpt2'\}"):
+        data.open_blend([str(a), f"{b}:3"])
+
+
 def test_blend_samples_are_the_same_across_world_sizes(tmp_path):
     sources = []
     for k in range(2):
