@@ -127,7 +127,8 @@ class TokenSource:
         passes int64, so the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
         if self._unchecked is not None:  # until every file is checked once: the files these windows touch
-            lo, hi = np.searchsorted(self._starts_array, [ids * seq_len, ids * seq_len + seq_len], side="right") - 1
+            first = ids.astype(np.int64) * seq_len  # ids of an order are uint32: past 2**32 tokens the product wraps
+            lo, hi = np.searchsorted(self._starts_array, [first, first + seq_len], side="right") - 1
             touched = self._unchecked[lo] | self._unchecked[hi]
             for a, b in zip(lo[touched].tolist(), hi[touched].tolist()):
                 for k in range(a, b + 1):

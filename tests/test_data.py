@@ -317,6 +317,18 @@ def windows_of(batches_list, index):
     return [index[tuple(row)] for x, _ in batches_list for row in x.tolist()]
 
 
+def test_a_changed_shard_is_caught_past_4g_tokens(tmp_path):
+    # Batches passes uint32 window ids; the file a window starts in must be found without wrapping at 2**32
+    with open(tmp_path / "a.bin", "wb") as f:
+        f.truncate(1 << 32)  # 2**32 uint8 zeros, a sparse file: no disk used
+    np.array([1, 2, 3, 200, 5], np.uint8).tofile(tmp_path / "b.bin")  # 200: edited after the manifest said max 9
+    source = data.TokenSource(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], np.uint8, max_token_id=9)
+    check_vocab(source, 100)
+    source._unchecked[0] = False  # as if a.bin were checked already: scanning 4 GiB would take seconds
+    with pytest.raises(DataError, match=r"b.bin: token id 200 at token offset 3"):
+        source.windows(np.array([(1 << 32) // 4], np.uint32), 4)
+
+
 def test_order_is_a_function_of_seed_and_epoch(tmp_path):
     source, s = make_source("raw", tmp_path, n=300)
     W, index = (len(s) - 1) // L, window_index(s)
