@@ -127,7 +127,8 @@ class TokenSource:
         passes int64, so the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
         if self._unchecked is not None:  # until every file is checked once: the files these windows touch
-            lo, hi = np.searchsorted(self._starts_array, [ids * seq_len, ids * seq_len + seq_len], side="right") - 1
+            first = ids.astype(np.int64) * seq_len  # ids of an order are uint32: past 2**32 tokens the product wraps
+            lo, hi = np.searchsorted(self._starts_array, [first, first + seq_len], side="right") - 1
             touched = self._unchecked[lo] | self._unchecked[hi]
             for a, b in zip(lo[touched].tolist(), hi[touched].tolist()):
                 for k in range(a, b + 1):
@@ -295,16 +296,21 @@ def read_manifest(directory) -> dict:
             raise DataError(f"{path}: expected a {key!r} entry, found none")
     if m["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{path}: expected dtype uint16 or uint32, found {m['dtype']!r}")
-    for name, s in m["splits"].items():
-        if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
-            raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
-        for shard in s["shards"]:
-            if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
-                raise DataError(f"{path}: a shard of split {name!r} lacks file/tokens/documents/max_token_id/sha256")
-            if Path(shard["file"]).name != shard["file"]:
-                raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
-        if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
-            raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another total")
+    try:
+        for name, s in m["splits"].items():
+            if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
+                raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
+            for shard in s["shards"]:
+                if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
+                    raise DataError(f"{path}: a shard of split {name!r} lacks "
+                                    "file/tokens/documents/max_token_id/sha256")
+                if Path(shard["file"]).name != shard["file"]:
+                    raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
+            if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
+                raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another "
+                                "total")
+    except (AttributeError, TypeError) as e:  # a list where a dict belongs, a count written as a string, ...
+        raise DataError(f"{path}: expected splits of shard entries with numeric counts, found another layout ({e})")
     return m
 
 
@@ -444,6 +450,11 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
         paths.append(head if weighted else spec)
         weights.append(float(tail) if weighted else 1.0)
     sources = [open_tokens(path, "train", dtype) for path in paths]
+    first = sources[0].tokenizer  # raw token files record none: only manifests can be compared
+    for path, source in zip(paths[1:], sources[1:]):
+        if first and source.tokenizer and source.tokenizer != first:
+            raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, {paths[0]} with {first}: "
+                            "the same ids would mean other things; blend data made with one tokenizer")
     val = open_tokens(paths[0], "val", dtype) if "val" in splits(paths[0]) else None
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources + [val] * (val is not None):

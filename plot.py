@@ -36,7 +36,7 @@ def read_metrics(run_dir: Path) -> dict:
     if not path.is_file():
         raise PlotError(f"{run_dir}: expected a train.py run directory holding metrics.jsonl, found none")
     by_step = {"train": {}, "eval": {}}
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a line that is not text fails as invalid JSON
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -536,9 +536,13 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
         raise DataError(f"--workers: expected at least 1, found {workers}")
     check_parquet(files, text_field)
     out = Path(out)
+    if out.is_symlink():  # the swap renames directories: work on the one it points to, and the link stays
+        out = out.resolve()
     tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
     _recover_swap(out, log)
     replacing = _check_out(out, files, overwrite)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our PID (a container's PID 1, say)
     for stale in out.parent.glob(f".{out.name}.partial-*"):
         log(f"note: {stale} is left over from an interrupted prepare.py run; delete it to free the space")
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
@@ -547,7 +551,6 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     worker_dir = tok_file.parent if tok_file else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     staging.mkdir()
     t0 = time.perf_counter()
     try:

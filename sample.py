@@ -91,6 +91,8 @@ def main(
             raise ckpt.CheckpointError(f"{out_dir} step {step}: the meta records no tokenizer (trained on data without "
                                        f"a manifest, or on synthetic tokens), so its tokens cannot become text")
         model, tokenizer = model.to(device), load_tokenizer(meta["tokenizer"], out_dir)
+        # a model wider than its tokenizer (train.py --vocab-size) must not sample ids that have no text
+        model.config.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
         prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id]
         generator = torch.Generator(device=device).manual_seed(seed)
         for i in range(num_samples):

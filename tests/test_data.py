@@ -204,6 +204,13 @@ def test_manifest_errors(tmp_path):
     (d / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(DataError, match=r"expected format 'mamba3-lite-tokens', found 'other'"):
         open_tokens(d)
+    m = json.loads((write_manifest_dir(tmp_path / "n", {"train": s}) / "manifest.json").read_text())
+    for bad in ({**m, "splits": []}, {**m, "splits": {"train": {**m["splits"]["train"], "shards": None}}},
+                {**m, "splits": {"train": {**m["splits"]["train"], "shards": [{**m["splits"]["train"]["shards"][0],
+                                                                               "tokens": "100"}]}}}):
+        (d / "manifest.json").write_text(json.dumps(bad))  # hand-edited: the right keys, the wrong layout
+        with pytest.raises(DataError, match=r"manifest.json: expected splits of shard entries"):
+            open_tokens(d)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -308,6 +315,18 @@ def test_check_vocab(tmp_path):
 
 def windows_of(batches_list, index):
     return [index[tuple(row)] for x, _ in batches_list for row in x.tolist()]
+
+
+def test_a_changed_shard_is_caught_past_4g_tokens(tmp_path):
+    # Batches passes uint32 window ids; the file a window starts in must be found without wrapping at 2**32
+    with open(tmp_path / "a.bin", "wb") as f:
+        f.truncate(1 << 32)  # 2**32 uint8 zeros, a sparse file: no disk used
+    np.array([1, 2, 3, 200, 5], np.uint8).tofile(tmp_path / "b.bin")  # 200: edited after the manifest said max 9
+    source = data.TokenSource(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], np.uint8, max_token_id=9)
+    check_vocab(source, 100)
+    source._unchecked[0] = False  # as if a.bin were checked already: scanning 4 GiB would take seconds
+    with pytest.raises(DataError, match=r"b.bin: token id 200 at token offset 3"):
+        source.windows(np.array([(1 << 32) // 4], np.uint32), 4)
 
 
 def test_order_is_a_function_of_seed_and_epoch(tmp_path):
@@ -430,6 +449,16 @@ def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
         assert torch.equal(next(again)[0], next(cont)[0])
     with pytest.raises(DataError, match="weights"):
         Batches(sources, L, 1, 1, weights=[1] * len(weights), seed=2).load_state_dict(state)
+
+
+def test_blending_data_of_two_tokenizers_is_refused(tmp_path):
+    a = write_manifest_dir(tmp_path / "a", {"train": stream_of(300)})
+    b = write_manifest_dir(tmp_path / "b", {"train": stream_of(300, seed=1)})
+    assert len(data.open_blend([str(a), f"{b}:3"])[0]) == 2  # one tokenizer: fine
+    m = json.loads((b / "manifest.json").read_text())
+    (b / "manifest.json").write_text(json.dumps({**m, "tokenizer": {"name": "gpt2"}}))
+    with pytest.raises(DataError, match=r"--data .*b: made with the tokenizer \{'name': 'gpt2'\}"):
+        data.open_blend([str(a), f"{b}:3"])
 
 
 def test_blend_samples_are_the_same_across_world_sizes(tmp_path):

@@ -74,11 +74,14 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
     write_run(tmp_path / "list", [train(10, 4.0), [1, 2]])
     (tmp_path / "no-config").mkdir()
     (tmp_path / "no-config" / "metrics.jsonl").write_text(json.dumps(train(10, 4.0)) + "\n")
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\xff\xfe\x00not text\n")  # not UTF-8
     out = str(tmp_path / "x.png")
     cases = [
         ([str(resumed), str(tmp_path / "empty")], out, f"{tmp_path / 'empty'}: expected a train.py run directory"),
         ([str(broken)], out, f"{broken / 'metrics.jsonl'}:2: expected one JSON object per line"),
         ([str(tmp_path / "list")], out, f"{tmp_path / 'list' / 'metrics.jsonl'}:2: expected a JSON object"),
+        ([str(tmp_path / "binary")], out, f"{tmp_path / 'binary' / 'metrics.jsonl'}:1: expected one JSON object"),
         ([str(tmp_path / "no-config")], out, f"{tmp_path / 'no-config' / 'config.json'}: expected train.py's config"),
         ([str(resumed)], str(tmp_path / "missing" / "x.png"),
          f"--out {tmp_path / 'missing' / 'x.png'}: expected a file in an existing directory, found no directory"),
@@ -89,4 +92,5 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
         assert r.exit_code == 2, (message, r.output)
         assert " ".join(r.stderr.split()).startswith("error: " + message), r.stderr
         assert r.exception is None or isinstance(r.exception, SystemExit)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "empty", "list", "no-config", "plain", "resumed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary", "broken", "empty", "list", "no-config", "plain",
+                                                          "resumed"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import prepare
-from data import DataError, Batches, open_tokens
+from data import DataError, Batches, open_tokens, read_manifest
 from prepare import demo_inputs, find_inputs, load_tokenizer, verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -450,6 +450,26 @@ def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tm
     run([tmp_path / "corpus"], out, log=notes.append)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
+def test_a_staging_directory_left_by_a_killed_run_with_our_pid_is_replaced(tmp_path):
+    # in a container every run can be PID 1: a run killed mid-way leaves .out.partial-1 to the next one
+    make_corpus(tmp_path / "corpus")
+    stale = tmp_path / f".out.partial-{os.getpid()}"
+    stale.mkdir()
+    (stale / "train_00000.bin.tmp").write_bytes(b"half a shard")
+    run([tmp_path / "corpus"], tmp_path / "out")
+    assert verify(tmp_path / "out") == [] and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
+def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    run([tmp_path / "corpus"], tmp_path / "real")
+    (tmp_path / "link").symlink_to("real")
+    run([tmp_path / "corpus"], tmp_path / "link", shard_tokens=10_000)
+    assert (tmp_path / "link").is_symlink() and verify(tmp_path / "link") == []
+    assert len(read_manifest(tmp_path / "real")["splits"]["train"]["shards"]) == 1  # the new output, in real/
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "link", "real"]
 
 
 def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """train.py and sample.py end to end on the tiny preset and a small byte-level corpus prepared here."""
+import dataclasses
 import json
 import math
 import os
@@ -315,6 +316,17 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     assert result.output == "def " + tokenizer.decode(ids) + "\n"
     result = runner.invoke(sample.app, ["--out-dir", str(tmp_path / "none")])
     assert result.exit_code == 2 and "no such directory" in result.output
+
+
+def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
+    # a model trained with --vocab-size 2000 on byte data: an untrained one puts most mass on ids 257..1999
+    import ckpt
+    from model import PRESETS
+
+    model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=2000))
+    ckpt.save(tmp_path, 1, model, None, {"tokenizer": {"name": "byte"}})
+    result = runner.invoke(sample.app, ["--out-dir", str(tmp_path), "--max-new-tokens", "30", "--temperature", "1"])
+    assert result.exit_code == 0, result.output
 
 
 def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(corpus, tmp_path, monkeypatch):
