@@ -19,7 +19,7 @@ The output is built in a hidden sibling directory (shards fsynced and renamed, m
 into place only when complete, so a failure or a kill never leaves a half-written directory that looks valid,
 and never touches a previous output.
 """
-import contextlib
+import glob
 import gzip
 import hashlib
 import json
@@ -472,10 +472,14 @@ def _split_summary(shards):
 def _recover_swap(out: Path, log):
     """A run killed during its swap leaves the previous output in .OUT.old-PID: with no OUT (killed between the
     two renames) it is put back; with the new OUT in place, the swap is finished as it would have been."""
-    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
-        with contextlib.suppress(ProcessLookupError):
+    for old in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
+        try:
             os.kill(int(old.name.rsplit("-", 1)[1]), 0)
             continue  # that run is still going
+        except PermissionError:
+            continue  # another user's live process has that PID: not ours to judge
+        except ProcessLookupError:
+            pass
         if out.exists():
             _retire(old, out, log)
         else:
@@ -543,7 +547,7 @@ def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=
     replacing = _check_out(out, files, overwrite)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our PID (a container's PID 1, say)
-    for stale in out.parent.glob(f".{out.name}.partial-*"):
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
         log(f"note: {stale} is left over from an interrupted prepare.py run; delete it to free the space")
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.

@@ -428,28 +428,29 @@ def test_cli_errors_are_one_clean_paragraph(tmp_path):
     assert r.returncode == 2 and "--out-dir" in r.stderr
 
 
-def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tmp_path):
+@pytest.mark.parametrize("name", ["out", "web[1]"])  # a name that is also a glob pattern matches only itself
+def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tmp_path, name):
     make_corpus(tmp_path / "corpus")
-    out = tmp_path / "out"
+    out = tmp_path / name
     run([tmp_path / "corpus"], out)
     (out / "NOTES.md").write_text("my notes about this data")
     # a run killed between its two renames: the previous output sits in .out.old-PID, --out-dir is gone
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    os.rename(out, tmp_path / f".out.old-{dead.pid}")
+    os.rename(out, tmp_path / f".{name}.old-{dead.pid}")
     notes = []
     run([tmp_path / "corpus"], out, log=notes.append, shard_tokens=10_000)
-    assert any("restored" in n and f".out.old-{dead.pid}" in n for n in notes)
+    assert any("restored" in n and f".{name}.old-{dead.pid}" in n for n in notes)
     assert any("kept NOTES.md" in n for n in notes)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", name]
     # killed after the second rename: the new output is in place, the old one (with the notes) beside it
-    shutil.copytree(out, tmp_path / f".out.old-{dead.pid}")
+    shutil.copytree(out, tmp_path / f".{name}.old-{dead.pid}")
     (out / "NOTES.md").unlink()
     notes = []
     run([tmp_path / "corpus"], out, log=notes.append)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", name]
 
 
 def test_a_staging_directory_left_by_a_killed_run_with_our_pid_is_replaced(tmp_path):
@@ -470,6 +471,19 @@ def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
     assert (tmp_path / "link").is_symlink() and verify(tmp_path / "link") == []
     assert len(read_manifest(tmp_path / "real")["splits"]["train"]["shards"]) == 1  # the new output, in real/
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "link", "real"]
+
+
+def test_a_swap_left_under_a_pid_of_another_user_is_left_alone(tmp_path, monkeypatch):
+    # os.kill(pid, 0) on another user's process raises PermissionError: a live process, so not ours to recover
+    make_corpus(tmp_path / "corpus")
+    run([tmp_path / "corpus"], tmp_path / "out")
+    os.rename(tmp_path / "out", tmp_path / ".out.old-1")
+
+    def kill(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "kill", kill)
+    run([tmp_path / "corpus"], tmp_path / "out")
+    assert verify(tmp_path / "out") == [] and verify(tmp_path / ".out.old-1") == []
 
 
 def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):
