@@ -286,9 +286,10 @@ def move_aside(out, step, files, prefix):
     return aside
 
 
-def resume(cfg, model, optimizer, log):
-    """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the one
-    resumed (an abandoned branch, or ones that fail verification) and their records are moved aside."""
+def resume(cfg, model, optimizer, batches, log):
+    """Load what --resume asks for (the data position into `batches`) and return its meta, or None for a fresh
+    start. Steps newer than the one resumed (an abandoned branch, or ones that fail verification) and their records
+    are moved aside."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
     files = ckpt.step_files(out)
     if cfg.resume == "never":
@@ -309,6 +310,11 @@ def resume(cfg, model, optimizer, log):
     else:
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
+    if step is not None:  # what cannot continue is refused before newer steps are moved aside
+        if meta["data"] is not None:
+            batches.load_state_dict(meta["data"])
+        if cfg.max_steps < step:
+            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
     if step is not None and writes and (aside := move_aside(out, step, files, "abandoned")):
         log(f"[yellow]moved the newer steps {[s for s in files if s > step]} and their records aside into "
             f"{aside}[/yellow]")
@@ -356,12 +362,8 @@ def run(cfg, init, tmp, cleanup):
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
-    meta = resume(cfg, model, optimizer, log) or dict(step=0, skipped_steps=0, data=None)
+    meta = resume(cfg, model, optimizer, batches, log) or dict(step=0, skipped_steps=0, data=None)
     step, skipped = meta["step"], meta["skipped_steps"]
-    if meta["data"] is not None:
-        batches.load_state_dict(meta["data"])
-    if cfg.max_steps < step:
-        raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:

@@ -182,6 +182,17 @@ def test_a_failed_save_keeps_the_earlier_checkpoints(corpus, tmp_path, monkeypat
     assert fingerprint(out) == before and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("extra, message", [(["--max-steps", 4], "--max-steps 4 is below the resumed step 5"),
+                                            (["--seed", 1], "saved with seed = 0, but this run has seed = 1")])
+def test_a_refused_resume_moves_no_newer_step_aside(corpus, tmp_path, extra, message):
+    out = tmp_path / "run"
+    before, metrics = trained(corpus, out, 10), (out / "metrics.jsonl").read_text()
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, "--resume", 5, *extra, expect=2)
+    assert message in text and "moved" not in text
+    assert fingerprint(out) == before and (out / "metrics.jsonl").read_text() == metrics
+    assert not list(out.glob("abandoned-*"))
+
+
 def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
     out = tmp_path / "run"
     trained(corpus, out, 10)
