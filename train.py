@@ -266,21 +266,31 @@ def header(log, cfg, model, batches, val):
     log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
 
+def record_step(line):
+    """The step of a metrics.jsonl line, or None for a record cut short (the disk filled during its append)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new OUT/PREFIX-TIME/
     and return it (None if there are none): a branch left behind is never deleted. Records past `step` with no
     checkpoint (steps that will run again) are dropped, so that each (kind, step) is recorded once."""
     metrics = out / "metrics.jsonl"
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
-    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    text = metrics.read_text() if metrics.exists() else ""
+    lines = [line + "\n" for line in text.splitlines()]
+    steps = [record_step(line) for line in lines]  # a record cut short (None) is dropped
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= step]
     paths = [p for s in sorted(files) if s > step for p in files[s]]
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
     if aside:
         aside.mkdir()
         for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
             shutil.move(p, aside / p.name)
-        (aside / metrics.name).write_text("".join(line for line in lines if json.loads(line)["step"] > step))
-    if len(keep) < len(lines):
+        (aside / metrics.name).write_text("".join(line for line, s in zip(lines, steps) if s is not None and s > step))
+    if "".join(keep) != text:  # records dropped, or a last line without its newline, which the next would join
         metrics.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
         os.replace(metrics.with_name(".metrics.jsonl.tmp"), metrics)
     return aside

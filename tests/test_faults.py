@@ -193,6 +193,15 @@ def test_a_refused_resume_moves_no_newer_step_aside(corpus, tmp_path, extra, mes
     assert not list(out.glob("abandoned-*"))
 
 
+def test_a_metrics_record_cut_short_by_a_full_disk_does_not_stop_the_resume(corpus, tmp_path):
+    out = tmp_path / "run"
+    trained(corpus, out, 10)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "event", "event": "resume", "st')  # what a disk full during an append left
+    assert "resumed from" in run("--data", corpus, *BASE, "--max-steps", 12, "--out-dir", out)
+    assert [r["step"] for r in records(out)] == list(range(1, 13))  # every line is whole JSON again
+
+
 def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
     out = tmp_path / "run"
     trained(corpus, out, 10)
