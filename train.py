@@ -223,8 +223,12 @@ class Log:
         if line is not None:
             self.console.print(line)  # rich flushes: lines reach a log file or a pipe as they happen
         if record and self.path is not None:
-            with open(self.path, "a") as f:
-                print(json.dumps(record), file=f)
+            try:
+                with open(self.path, "a") as f:
+                    print(json.dumps(record), file=f)
+            except OSError as e:
+                raise TrainError(f"could not append to {self.path} ({e.strerror or e}); free disk space or fix the "
+                                 f"permissions, then run again: it resumes from the newest checkpoint") from None
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])

@@ -202,6 +202,21 @@ def test_a_metrics_record_cut_short_by_a_full_disk_does_not_stop_the_resume(corp
     assert [r["step"] for r in records(out)] == list(range(1, 13))  # every line is whole JSON again
 
 
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="needs /dev/full")
+def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    before = trained(corpus, out, 5)
+    init = train.Log.__init__
+
+    def log_to_a_full_disk(self, cfg, rank):
+        init(self, cfg, rank)
+        self.path = Path("/dev/full")  # every write fails with ENOSPC
+
+    monkeypatch.setattr(train.Log, "__init__", log_to_a_full_disk)
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
+    assert "could not append to /dev/full (No space left on device)" in text and fingerprint(out) == before
+
+
 def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
     out = tmp_path / "run"
     trained(corpus, out, 10)
