@@ -264,9 +264,11 @@ def export(run_dir, out_dir, step=None) -> Path:
         if old.exists() and not out.exists():
             os.rename(old, out)
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError):  # disk full, permissions: say where, and that nothing was lost
-            raise CheckpointError(f"could not write {e.filename or staging} ({e.strerror or e}); free disk space or "
-                                  f"fix the permissions, then run again: {out} is unchanged") from None
+        # disk full, permissions (torch.save and safetensors report a full disk with errors of their own)
+        if isinstance(e, (OSError, RuntimeError, safetensors.SafetensorError)):
+            raise CheckpointError(f"could not write {getattr(e, 'filename', None) or staging} "
+                                  f"({getattr(e, 'strerror', None) or e}); free disk space or fix the permissions, "
+                                  f"then run again: {out} is unchanged") from None
         raise
     return out
 

@@ -9,6 +9,7 @@ import shutil
 import warnings
 
 import pytest
+import safetensors
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -236,6 +237,18 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
         with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space left on device\\); "
                            f".* {out} is unchanged"):
             official.export(tmp_path / "run", out)
+    # what torch.save and safetensors raise when the disk fills up (seen on a full 4 MB tmpfs)
+    for module, name, error in [
+            (torch, "save", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 302208")),
+            (safetensors.torch, "save_file", safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"))]:
+        def disk_full(*args, error=error, **kwargs):
+            raise error
+
+        with monkeypatch.context() as m:
+            m.setattr(module, name, disk_full)
+            with pytest.raises(CheckpointError, match=f"could not write .*; .* {out} is unchanged"):
+                official.export(tmp_path / "run", out)
     rename = os.rename
 
     def fail_the_swap(src, dst):
