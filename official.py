@@ -23,7 +23,6 @@ not reset its state at EOS. The vocabulary is written unpadded (pad_vocab_size_m
 model returns a logit for every row, and our never-trained padding rows would take probability from the
 real tokens in anything that takes a softmax over all of them (the harness, sampling).
 """
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -280,9 +279,13 @@ def _recover(out):
     for stale in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.export-*")):
         if not (pid := stale.name.rsplit("-", 1)[1]).isdigit():
             continue  # not an export's
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(int(pid), 0)
             continue  # that export is still running
+        except PermissionError:
+            continue  # another user's live process has that PID (an export of theirs, in a shared directory?)
+        except ProcessLookupError:
+            pass
         if ".old-" not in stale.name:
             shutil.rmtree(stale)
         elif not out.exists():

@@ -367,7 +367,7 @@ def test_cli(tmp_path):
         assert "Traceback" not in result.output
 
 
-def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path):
+def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch):
     make_run(tmp_path / "run", steps=(1, 2))
     out = official.export(tmp_path / "run", tmp_path / "out", step=1)
     (out / "eval-results.json").write_text("{}")
@@ -392,3 +392,15 @@ def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path):
     running.mkdir()
     official._recover(out)
     assert running.is_dir()
+    # its PID another user's live process (os.kill says EPERM): left alone too, and the export still runs
+    running.rename(old)
+    kill = os.kill
+
+    def another_users(pid, sig):
+        if pid == dead:
+            raise PermissionError(1, "Operation not permitted")
+        kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", another_users)
+    official.export(tmp_path / "run", out, step=1)
+    assert old.is_dir() and json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
