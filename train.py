@@ -373,6 +373,9 @@ def run(cfg, init, tmp, cleanup):
     out, writes = Path(cfg.out_dir), rank == 0 and not cfg.dry_run  # rank 0 alone writes
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
+    if writes and (out / official.MARKER).is_file():
+        raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would overwrite its config.json; "
+                         f"use another --out-dir")
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)

@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt
+import official
 import prepare
 import sample
 import train
@@ -215,6 +216,14 @@ def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatc
     monkeypatch.setattr(train.Log, "__init__", log_to_a_full_disk)
     text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
     assert "could not append to /dev/full (No space left on device)" in text and fingerprint(out) == before
+
+
+def test_an_export_is_refused_as_out_dir(corpus, tmp_path):
+    trained(corpus, tmp_path / "run", 5)
+    export = official.export(tmp_path / "run", tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--init-from", export, "--out-dir", export, expect=2)
+    assert "is an export" in text and {p.name: p.read_bytes() for p in export.iterdir()} == before
 
 
 def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
