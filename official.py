@@ -23,7 +23,6 @@ not reset its state at EOS. The vocabulary is written unpadded (pad_vocab_size_m
 model returns a logit for every row, and our never-trained padding rows would take probability from the
 real tokens in anything that takes a softmax over all of them (the harness, sampling).
 """
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -264,9 +263,11 @@ def export(run_dir, out_dir, step=None) -> Path:
         if old.exists() and not out.exists():
             os.rename(old, out)
         shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError):  # disk full, permissions: say where, and that nothing was lost
-            raise CheckpointError(f"could not write {e.filename or staging} ({e.strerror or e}); free disk space or "
-                                  f"fix the permissions, then run again: {out} is unchanged") from None
+        # disk full, permissions (torch.save and safetensors report a full disk with errors of their own)
+        if isinstance(e, (OSError, RuntimeError, safetensors.SafetensorError)):
+            raise CheckpointError(f"could not write {getattr(e, 'filename', None) or staging} "
+                                  f"({getattr(e, 'strerror', None) or e}); free disk space or fix the permissions, "
+                                  f"then run again: {out} is unchanged") from None
         raise
     return out
 
@@ -278,9 +279,13 @@ def _recover(out):
     for stale in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.export-*")):
         if not (pid := stale.name.rsplit("-", 1)[1]).isdigit():
             continue  # not an export's
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(int(pid), 0)
             continue  # that export is still running
+        except PermissionError:
+            continue  # another user's live process has that PID (an export of theirs, in a shared directory?)
+        except ProcessLookupError:
+            pass
         if ".old-" not in stale.name:
             shutil.rmtree(stale)
         elif not out.exists():

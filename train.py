@@ -223,8 +223,12 @@ class Log:
         if line is not None:
             self.console.print(line)  # rich flushes: lines reach a log file or a pipe as they happen
         if record and self.path is not None:
-            with open(self.path, "a") as f:
-                print(json.dumps(record), file=f)
+            try:
+                with open(self.path, "a") as f:
+                    print(json.dumps(record), file=f)
+            except OSError as e:
+                raise TrainError(f"could not append to {self.path} ({e.strerror or e}); free disk space or fix the "
+                                 f"permissions, then run again: it resumes from the newest checkpoint") from None
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
@@ -266,29 +270,40 @@ def header(log, cfg, model, batches, val):
     log.console.print(Panel("\n".join(lines), title="mamba3-lite train", expand=False))
 
 
+def record_step(line):
+    """The step of a metrics.jsonl line, or None for a record cut short (the disk filled during its append)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new OUT/PREFIX-TIME/
     and return it (None if there are none): a branch left behind is never deleted. Records past `step` with no
     checkpoint (steps that will run again) are dropped, so that each (kind, step) is recorded once."""
     metrics = out / "metrics.jsonl"
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
-    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    text = metrics.read_text() if metrics.exists() else ""
+    lines = [line + "\n" for line in text.splitlines()]
+    steps = [record_step(line) for line in lines]  # a record cut short (None) is dropped
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= step]
     paths = [p for s in sorted(files) if s > step for p in files[s]]
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
     if aside:
         aside.mkdir()
         for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
             shutil.move(p, aside / p.name)
-        (aside / metrics.name).write_text("".join(line for line in lines if json.loads(line)["step"] > step))
-    if len(keep) < len(lines):
+        (aside / metrics.name).write_text("".join(line for line, s in zip(lines, steps) if s is not None and s > step))
+    if "".join(keep) != text:  # records dropped, or a last line without its newline, which the next would join
         metrics.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
         os.replace(metrics.with_name(".metrics.jsonl.tmp"), metrics)
     return aside
 
 
-def resume(cfg, model, optimizer, log):
-    """Load what --resume asks for and return its meta, or None for a fresh start. Steps newer than the one
-    resumed (an abandoned branch, or ones that fail verification) and their records are moved aside."""
+def resume(cfg, model, optimizer, batches, log):
+    """Load what --resume asks for (the data position into `batches`) and return its meta, or None for a fresh
+    start. Steps newer than the one resumed (an abandoned branch, or ones that fail verification) and their records
+    are moved aside."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
     files = ckpt.step_files(out)
     if cfg.resume == "never":
@@ -309,6 +324,11 @@ def resume(cfg, model, optimizer, log):
     else:
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
+    if step is not None:  # what cannot continue is refused before newer steps are moved aside
+        if meta["data"] is not None:
+            batches.load_state_dict(meta["data"])
+        if cfg.max_steps < step:
+            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
     if step is not None and writes and (aside := move_aside(out, step, files, "abandoned")):
         log(f"[yellow]moved the newer steps {[s for s in files if s > step]} and their records aside into "
             f"{aside}[/yellow]")
@@ -353,15 +373,14 @@ def run(cfg, init, tmp, cleanup):
     out, writes = Path(cfg.out_dir), rank == 0 and not cfg.dry_run  # rank 0 alone writes
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
+    if writes and (out / official.MARKER).is_file():
+        raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would overwrite its config.json; "
+                         f"use another --out-dir")
     if writes:
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     log = Log(cfg, rank)
-    meta = resume(cfg, model, optimizer, log) or dict(step=0, skipped_steps=0, data=None)
+    meta = resume(cfg, model, optimizer, batches, log) or dict(step=0, skipped_steps=0, data=None)
     step, skipped = meta["step"], meta["skipped_steps"]
-    if meta["data"] is not None:
-        batches.load_state_dict(meta["data"])
-    if cfg.max_steps < step:
-        raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:

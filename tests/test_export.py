@@ -9,6 +9,7 @@ import shutil
 import warnings
 
 import pytest
+import safetensors
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -236,6 +237,18 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
         with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space left on device\\); "
                            f".* {out} is unchanged"):
             official.export(tmp_path / "run", out)
+    # what torch.save and safetensors raise when the disk fills up (seen on a full 4 MB tmpfs)
+    for module, name, error in [
+            (torch, "save", RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 302208")),
+            (safetensors.torch, "save_file", safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"))]:
+        def disk_full(*args, error=error, **kwargs):
+            raise error
+
+        with monkeypatch.context() as m:
+            m.setattr(module, name, disk_full)
+            with pytest.raises(CheckpointError, match=f"could not write .*; .* {out} is unchanged"):
+                official.export(tmp_path / "run", out)
     rename = os.rename
 
     def fail_the_swap(src, dst):
@@ -354,7 +367,7 @@ def test_cli(tmp_path):
         assert "Traceback" not in result.output
 
 
-def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path):
+def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch):
     make_run(tmp_path / "run", steps=(1, 2))
     out = official.export(tmp_path / "run", tmp_path / "out", step=1)
     (out / "eval-results.json").write_text("{}")
@@ -379,3 +392,15 @@ def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path):
     running.mkdir()
     official._recover(out)
     assert running.is_dir()
+    # its PID another user's live process (os.kill says EPERM): left alone too, and the export still runs
+    running.rename(old)
+    kill = os.kill
+
+    def another_users(pid, sig):
+        if pid == dead:
+            raise PermissionError(1, "Operation not permitted")
+        kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", another_users)
+    official.export(tmp_path / "run", out, step=1)
+    assert old.is_dir() and json.loads((out / "mamba3_lite.json").read_text())["step"] == 1

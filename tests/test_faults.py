@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt
+import official
 import prepare
 import sample
 import train
@@ -180,6 +181,49 @@ def test_a_failed_save_keeps_the_earlier_checkpoints(corpus, tmp_path, monkeypat
     text = run("--data", corpus, *BASE, "--max-steps", 10, "--save-every", 5, "--out-dir", out, expect=2)
     assert "could not write checkpoint step 10" in text and "No space left" in text and "untouched" in text
     assert fingerprint(out) == before and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("extra, message", [(["--max-steps", 4], "--max-steps 4 is below the resumed step 5"),
+                                            (["--seed", 1], "saved with seed = 0, but this run has seed = 1")])
+def test_a_refused_resume_moves_no_newer_step_aside(corpus, tmp_path, extra, message):
+    out = tmp_path / "run"
+    before, metrics = trained(corpus, out, 10), (out / "metrics.jsonl").read_text()
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, "--resume", 5, *extra, expect=2)
+    assert message in text and "moved" not in text
+    assert fingerprint(out) == before and (out / "metrics.jsonl").read_text() == metrics
+    assert not list(out.glob("abandoned-*"))
+
+
+def test_a_metrics_record_cut_short_by_a_full_disk_does_not_stop_the_resume(corpus, tmp_path):
+    out = tmp_path / "run"
+    trained(corpus, out, 10)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "event", "event": "resume", "st')  # what a disk full during an append left
+    assert "resumed from" in run("--data", corpus, *BASE, "--max-steps", 12, "--out-dir", out)
+    assert [r["step"] for r in records(out)] == list(range(1, 13))  # every line is whole JSON again
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="needs /dev/full")
+def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    before = trained(corpus, out, 5)
+    init = train.Log.__init__
+
+    def log_to_a_full_disk(self, cfg, rank):
+        init(self, cfg, rank)
+        self.path = Path("/dev/full")  # every write fails with ENOSPC
+
+    monkeypatch.setattr(train.Log, "__init__", log_to_a_full_disk)
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
+    assert "could not append to /dev/full (No space left on device)" in text and fingerprint(out) == before
+
+
+def test_an_export_is_refused_as_out_dir(corpus, tmp_path):
+    trained(corpus, tmp_path / "run", 5)
+    export = official.export(tmp_path / "run", tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in export.iterdir()}
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--init-from", export, "--out-dir", export, expect=2)
+    assert "is an export" in text and {p.name: p.read_bytes() for p in export.iterdir()} == before
 
 
 def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
