@@ -24,6 +24,7 @@ model returns a logit for every row, and our never-trained padding rows would ta
 real tokens in anything that takes a softmax over all of them (the harness, sampling).
 """
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -276,7 +277,8 @@ def _recover(out):
     """What an export killed during its swap left beside `out`: the earlier export in .OUT.old-PID goes back in
     place if OUT is missing (killed between the two renames), else the swap is finished (a user's files move
     into OUT); the new export's .OUT.export-PID, complete or not, is dropped."""
-    for stale in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.export-*")):
+    name = glob.escape(out.name)  # OUT_DIR's name may hold [ or *: matched as itself
+    for stale in sorted(out.parent.glob(f".{name}.old-*")) + sorted(out.parent.glob(f".{name}.export-*")):
         if not (pid := stale.name.rsplit("-", 1)[1]).isdigit():
             continue  # not an export's
         try:

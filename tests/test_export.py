@@ -367,28 +367,29 @@ def test_cli(tmp_path):
         assert "Traceback" not in result.output
 
 
-def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern matches only itself
+def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch, name):
     make_run(tmp_path / "run", steps=(1, 2))
-    out = official.export(tmp_path / "run", tmp_path / "out", step=1)
+    out = official.export(tmp_path / "run", tmp_path / name, step=1)
     (out / "eval-results.json").write_text("{}")
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     dead = 2 ** 22 + 1  # above Linux's largest PID: no process has it
     # killed between its two renames: no OUT, the earlier export in .OUT.old-PID, the new one complete beside it
-    os.rename(out, tmp_path / f".out.old-{dead}")
-    shutil.copytree(tmp_path / f".out.old-{dead}", tmp_path / f".out.export-{dead}")
+    os.rename(out, tmp_path / f".{name}.old-{dead}")
+    shutil.copytree(tmp_path / f".{name}.old-{dead}", tmp_path / f".{name}.export-{dead}")
     official._recover(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
     # killed after the second rename, with the user's file still in the old one: the next export finishes the swap
-    old = tmp_path / f".out.old-{dead}"
+    old = tmp_path / f".{name}.old-{dead}"
     shutil.copytree(out, old)
     (out / "eval-results.json").unlink()
     official.export(tmp_path / "run", out, step=2)
     assert (out / "eval-results.json").read_text() == "{}"
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
     # a running export's files are left alone
-    running = tmp_path / f".out.old-{os.getpid()}"
+    running = tmp_path / f".{name}.old-{os.getpid()}"
     running.mkdir()
     official._recover(out)
     assert running.is_dir()
