@@ -223,12 +223,7 @@ class Log:
         if line is not None:
             self.console.print(line)  # rich flushes: lines reach a log file or a pipe as they happen
         if record and self.path is not None:
-            try:
-                with open(self.path, "a") as f:
-                    print(json.dumps(record), file=f)
-            except OSError as e:
-                raise TrainError(f"could not append to {self.path} ({e.strerror or e}); free disk space or fix the "
-                                 f"permissions, then run again: it resumes from the newest checkpoint") from None
+            write(self.path, json.dumps(record) + "\n", "a")
         with contextlib.suppress(Exception):  # a logging service must never stop training
             if record and self.wandb is not None:
                 self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
@@ -278,6 +273,16 @@ def record_step(line):
         return None
 
 
+def write(path, text, mode="w"):
+    """Write (or append) text; a full disk or a missing permission is a TrainError naming the file."""
+    try:
+        with open(path, mode) as f:
+            f.write(text)
+    except OSError as e:  # a failed write's error names no file
+        raise TrainError(f"could not write {path} ({e.strerror or e}); free disk space or fix the permissions, then "
+                         f"run again: it resumes from the newest checkpoint") from None
+
+
 def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new OUT/PREFIX-TIME/
     and return it (None if there are none): a branch left behind is never deleted. Records past `step` with no
@@ -293,9 +298,9 @@ def move_aside(out, step, files, prefix):
         aside.mkdir()
         for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
             shutil.move(p, aside / p.name)
-        (aside / metrics.name).write_text("".join(line for line, s in zip(lines, steps) if s is not None and s > step))
+        write(aside / metrics.name, "".join(line for line, s in zip(lines, steps) if s is not None and s > step))
     if "".join(keep) != text:  # records dropped, or a last line without its newline, which the next would join
-        metrics.with_name(".metrics.jsonl.tmp").write_text("".join(keep))
+        write(metrics.with_name(".metrics.jsonl.tmp"), "".join(keep))
         os.replace(metrics.with_name(".metrics.jsonl.tmp"), metrics)
     return aside
 
@@ -384,7 +389,7 @@ def run(cfg, init, tmp, cleanup):
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     if writes:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        write(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         if source.tokenizer and source.tokenizer.get("name") == "file":  # sample.py finds it beside the checkpoints
             shutil.copy(source.path / source.tokenizer["file"], out / source.tokenizer["file"])
     header(log, cfg, model, batches, val)
@@ -509,7 +514,7 @@ def main(**flags):
         init = official.read_pretrained(cfg.init_from) if cfg.init_from else None
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as cleanup:
             run(resolve(cfg, init and init[0]), init, tmp, cleanup)
-    except (TrainError, data.DataError, ckpt.CheckpointError) as e:
+    except (TrainError, data.DataError, ckpt.CheckpointError, OSError) as e:  # OSError: the disk's, named by the OS
         err = Console(stderr=True, highlight=False, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 speaks
         err.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2)

@@ -215,7 +215,7 @@ def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatc
 
     monkeypatch.setattr(train.Log, "__init__", log_to_a_full_disk)
     text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
-    assert "could not append to /dev/full (No space left on device)" in text and fingerprint(out) == before
+    assert "could not write /dev/full (No space left on device)" in text and fingerprint(out) == before
 
 
 def test_an_export_is_refused_as_out_dir(corpus, tmp_path):
