@@ -282,8 +282,9 @@ def _recover(out):
         if not (pid := stale.name.rsplit("-", 1)[1]).isdigit():
             continue  # not an export's
         try:
-            os.kill(int(pid), 0)
-            continue  # that export is still running
+            if int(pid) != os.getpid():  # ours: a killed export's PID come round again (a container's PID 1)
+                os.kill(int(pid), 0)
+                continue  # that export is still running
         except PermissionError:
             continue  # another user's live process has that PID (an export of theirs, in a shared directory?)
         except ProcessLookupError:

@@ -473,9 +473,11 @@ def _recover_swap(out: Path, log):
     """A run killed during its swap leaves the previous output in .OUT.old-PID: with no OUT (killed between the
     two renames) it is put back; with the new OUT in place, the swap is finished as it would have been."""
     for old in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
+        pid = int(old.name.rsplit("-", 1)[1])
         try:
-            os.kill(int(old.name.rsplit("-", 1)[1]), 0)
-            continue  # that run is still going
+            if pid != os.getpid():  # ours: a killed run's PID come round again (in a container every run is PID 1)
+                os.kill(pid, 0)
+                continue  # that run is still going
         except PermissionError:
             continue  # another user's live process has that PID: not ours to judge
         except ProcessLookupError:

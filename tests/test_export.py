@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -380,6 +382,10 @@ def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, mon
     official._recover(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
+    # the same under our own PID: a killed export's, come round again (in a container every process is PID 1)
+    os.rename(out, tmp_path / f".{name}.old-{os.getpid()}")
+    official._recover(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     # killed after the second rename, with the user's file still in the old one: the next export finishes the swap
     old = tmp_path / f".{name}.old-{dead}"
     shutil.copytree(out, old)
@@ -389,9 +395,12 @@ def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, mon
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
     # a running export's files are left alone
-    running = tmp_path / f".{name}.old-{os.getpid()}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = tmp_path / f".{name}.old-{child.pid}"
     running.mkdir()
     official._recover(out)
+    child.kill()
+    child.wait()
     assert running.is_dir()
     # its PID another user's live process (os.kill says EPERM): left alone too, and the export still runs
     running.rename(old)

@@ -473,6 +473,16 @@ def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "link", "real"]
 
 
+def test_a_swap_left_under_our_own_pid_is_recovered(tmp_path):
+    # in a container every run can be PID 1: a run killed between its renames left .out.old-1 to the next one
+    make_corpus(tmp_path / "corpus")
+    run([tmp_path / "corpus"], tmp_path / "out")
+    os.rename(tmp_path / "out", tmp_path / f".out.old-{os.getpid()}")
+    notes = []
+    run([tmp_path / "corpus"], tmp_path / "out", log=notes.append)
+    assert any("restored" in n for n in notes) and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
 def test_a_swap_left_under_a_pid_of_another_user_is_left_alone(tmp_path, monkeypatch):
     # os.kill(pid, 0) on another user's process raises PermissionError: a live process, so not ours to recover
     make_corpus(tmp_path / "corpus")
