@@ -316,8 +316,8 @@ def resume(cfg, model, optimizer, batches, log):
             raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}) and --resume never was "
                              f"given; use --resume auto to continue that run, another --out-dir, or --overwrite "
                              f"to move the old run aside into {out}/previous-TIME/")
-        if files and writes:
-            log(f"moved the previous run aside into {move_aside(out, -1, files, 'previous')}")
+        if writes and (aside := move_aside(out, -1, files, "previous")):  # (records of a run that never saved: dropped)
+            log(f"moved the previous run aside into {aside}")
         return None
     if cfg.resume == "auto":
         step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
@@ -334,7 +334,7 @@ def resume(cfg, model, optimizer, batches, log):
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
             raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
-    if step is not None and writes and (aside := move_aside(out, step, files, "abandoned")):
+    if writes and (aside := move_aside(out, -1 if step is None else step, files, "abandoned")):
         log(f"[yellow]moved the newer steps {[s for s in files if s > step]} and their records aside into "
             f"{aside}[/yellow]")
     if step is not None:

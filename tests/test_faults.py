@@ -218,6 +218,16 @@ def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatc
     assert "could not write /dev/full (No space left on device)" in text and fingerprint(out) == before
 
 
+@pytest.mark.parametrize("resume", ["auto", "never"])
+def test_the_records_of_a_run_killed_before_its_first_save_are_not_repeated(corpus, tmp_path, resume):
+    out = tmp_path / "run"
+    run("--data", corpus, *BASE, "--max-steps", 3, "--out-dir", out)
+    for p in [p for ps in ckpt.step_files(out).values() for p in ps]:
+        p.unlink()  # as if killed at step 3, before its save
+    run("--data", corpus, *BASE, "--max-steps", 4, "--out-dir", out, "--resume", resume)
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+
+
 def test_an_export_is_refused_as_out_dir(corpus, tmp_path):
     trained(corpus, tmp_path / "run", 5)
     export = official.export(tmp_path / "run", tmp_path / "export")
