@@ -289,16 +289,15 @@ def move_aside(out, step, files, prefix):
     checkpoint (steps that will run again) are dropped, so that each (kind, step) is recorded once."""
     metrics = out / "metrics.jsonl"
     text = metrics.read_text() if metrics.exists() else ""
-    lines = [line + "\n" for line in text.splitlines()]
-    steps = [record_step(line) for line in lines]  # a record cut short (None) is dropped
-    keep = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+    records = [(line + "\n", s) for line in text.splitlines() if (s := record_step(line)) is not None]  # whole ones
+    keep = [line for line, s in records if s <= step]
     paths = [p for s in sorted(files) if s > step for p in files[s]]
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
     if aside:
         aside.mkdir()
         for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
             shutil.move(p, aside / p.name)
-        write(aside / metrics.name, "".join(line for line, s in zip(lines, steps) if s is not None and s > step))
+        write(aside / metrics.name, "".join(line for line, s in records if s > step))
     if "".join(keep) != text:  # records dropped, or a last line without its newline, which the next would join
         write(metrics.with_name(".metrics.jsonl.tmp"), "".join(keep))
         os.replace(metrics.with_name(".metrics.jsonl.tmp"), metrics)
