@@ -17,13 +17,19 @@ count of consumed samples (plus, when blending, how many of them came from each 
 """
 import bisect
 import contextlib
+import fcntl
+import glob
+import hashlib
 import json
 import math
+import os
 import queue
 import re
 import resource
+import shutil
 import struct
 import threading
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -44,6 +50,109 @@ FORMATS = (
 
 class DataError(ValueError):
     """Bad input data. The message names the file, what was expected and what was found."""
+
+
+# -----------------------------------------------------------------------------
+# files that survive a kill, and the one error line of every command-line tool (prepare.py, ckpt.py, the
+# export and train.py all write this way; they share these helpers rather than each keeping a copy)
+
+
+def fsync(path):
+    """Make a file's data, or a directory's renames, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_atomic(path, data: bytes):
+    """Write `path` whole or not at all: a temporary name beside it, fsync, rename, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no empty temporary behind
+        raise
+    fsync(path.parent)
+
+
+def replace_dir(out, fill, ours):
+    """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
+
+    fill(stage) writes the new contents into an empty stage beside `out` (`.NAME.stage`); then `out` moves to
+    `.NAME.old`, the stage takes its place, the files of the old directory that ours(old) does not claim (a
+    user's own) move into the new one, and the old one goes. One process at a time holds `.NAME.lock` (flock:
+    released by the OS however the holder ends), so whatever a stage or an old directory it finds was left by
+    a run that died: a stage is removed, an old directory is put back (no `out`: killed between the renames)
+    or retired (the swap was done). A failure inside fill leaves `out` as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(f"{out} is being written by another process; wait for it to finish") from None
+        shutil.rmtree(stage, ignore_errors=True)
+        if old.exists():
+            _retire(old, out, ours) if out.exists() else os.rename(old, out)
+        stage.mkdir()
+        try:
+            result = fill(stage)
+            fsync(stage)
+            if out.exists():
+                os.rename(out, old)
+            os.rename(stage, out)
+            fsync(out.parent)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            if old.exists() and not out.exists():
+                os.rename(old, out)
+            raise
+        if old.exists():
+            _retire(old, out, ours)
+    return result
+
+
+def _retire(old, out, ours):
+    # the replaced directory goes, but what it holds that is not the tool's own moves into the new one first
+    mine = ours(old)
+    for p in sorted(old.iterdir()):
+        if p.name not in mine and not (out / p.name).exists():
+            os.rename(p, out / p.name)
+            warnings.warn(f"kept {p.name}, which is not the tool's own, in {out}", stacklevel=3)
+    shutil.rmtree(old)
+    fsync(out.parent)
+
+
+@contextlib.contextmanager
+def cli_errors(*expected):
+    """The body of a command-line tool: an `expected` exception becomes one red paragraph on stderr (rank 0's
+    only, under torchrun) and exit status 2, Ctrl-C exit 130; warnings print as one plain line."""
+    import typer
+    from rich.console import Console
+    from rich.markup import escape
+
+    warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
+    try:
+        yield
+    except expected as e:
+        err = Console(stderr=True, highlight=False, quiet=os.environ.get("RANK", "0") != "0")
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 # -----------------------------------------------------------------------------

@@ -90,6 +90,15 @@ def peak_flops(device_name):
     return next((flops for name, flops in PEAK_FLOPS.items() if name in device_name), None)
 
 
+def pick_device(flag):
+    """--device auto|cpu|cuda -> "cpu" or "cuda"; cuda without a CUDA device is a ValueError that says so."""
+    if flag == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if flag == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu (or auto)")
+    return flag
+
+
 def bf16_native(device):
     """Whether bf16 autocast pays off on "cuda" or "cpu": bf16 matmuls run at several times the float32 rate on
     GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX; there it nearly halves a step of the small preset)."""
