@@ -155,6 +155,127 @@ def cli_errors(*expected):
         raise typer.Exit(130) from None
 
 
+EOS_TEXT = "<|endoftext|>"
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in tokenizer files
+
+
+# -----------------------------------------------------------------------------
+# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(list[int]) -> str,
+# eos_id, vocab_size and spec (JSON-serialisable; load_tokenizer(spec) rebuilds the same tokenizer)
+
+
+class ByteTokenizer:
+    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a CPU."""
+
+    spec = {"name": "byte"}
+    vocab_size, eos_id = 257, 256
+
+    def encode(self, text):
+        return list(text.encode("utf-8", "replace"))
+
+    def encode_array(self, text):
+        return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
+
+    def decode(self, ids):
+        out = bytearray()
+        for i in ids:
+            if i == self.eos_id:
+                out += EOS_TEXT.encode()
+            elif 0 <= i < 256:
+                out.append(i)
+            else:
+                raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
+        return out.decode("utf-8", "replace")
+
+
+class GPT2Tokenizer:
+    """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
+
+    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a temp dir);
+    offline, put a copy there under the name tiktoken gives it, 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the
+    sha1 of its download URL).
+    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
+    """
+
+    spec = {"name": "gpt2"}
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self._enc = tiktoken.get_encoding("r50k_base")
+        except Exception as e:  # a download failure surfaces as one of many network error types
+            raise DataError(
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. tiktoken "
+                "downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a directory holding a copy "
+                "named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte"
+            ) from None
+        self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
+
+    def encode(self, text):
+        return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text):
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        return self._enc.decode(list(ids))
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first of
+    EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
+
+    def __init__(self, path, spec):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip install tokenizers")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it cannot load ({e})")
+        self._tok.encode_special_tokens = True
+        names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
+        found = [(n, self._tok.token_to_id(n)) for n in names if self._tok.token_to_id(n) is not None]
+        if not found:
+            raise DataError(
+                f"{path}: expected an end-of-document token ({', '.join(names)}), found none; "
+                "name the one it has with --eos-token"
+            )
+        eos_token, self.eos_id = found[0]
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.spec = {**spec, "eos_token": eos_token}
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text):
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(spec: dict, directory=None):
+    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file", "file":
+    "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a prepared data directory
+    or a checkpoint directory). A file whose hash differs from the spec's is refused."""
+    name = spec.get("name") if isinstance(spec, dict) else None
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "file":
+        path = Path(directory or ".") / spec["file"]
+        if not path.is_file():
+            raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
+        if spec.get("sha256") and sha256(path) != spec["sha256"]:
+            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), found another file")
+        return FileTokenizer(path, spec)
+    raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+
+
 # -----------------------------------------------------------------------------
 # token sources
 
@@ -164,7 +285,7 @@ class TokenSource:
 
     Attributes: `path` (what was opened), `files`, `dtype`, `num_tokens`, `vocab_size` and `eos_id` (from the
     manifest; None for raw sources), `tokenizer` (the manifest's tokenizer spec dict, or None; rebuild it with
-    `prepare.load_tokenizer(source.tokenizer, source.path)`), and `max_token_id` (from the manifest, else one
+    `load_tokenizer(source.tokenizer, source.path)`), and `max_token_id` (from the manifest, else one
     vectorised scan of the files on first use).
     """
 

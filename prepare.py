@@ -44,131 +44,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from data import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, open_tokens, read_manifest
+from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer, load_tokenizer,
+                  open_tokens, read_manifest, sha256)
 
 DEMO_OUT = Path("data/demo")
-EOS_TEXT = "<|endoftext|>"
-EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in tokenizer files
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 BATCH_BYTES = 1 << 20  # text per task sent to a worker: large enough to amortise the inter-process copy
 PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice of one row group
-
-# -----------------------------------------------------------------------------
-# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(list[int]) -> str,
-# eos_id, vocab_size and spec (JSON-serialisable; load_tokenizer(spec) rebuilds the same tokenizer)
-
-
-class ByteTokenizer:
-    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a CPU."""
-
-    spec = {"name": "byte"}
-    vocab_size, eos_id = 257, 256
-
-    def encode(self, text):
-        return list(text.encode("utf-8", "replace"))
-
-    def encode_array(self, text):
-        return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
-
-    def decode(self, ids):
-        out = bytearray()
-        for i in ids:
-            if i == self.eos_id:
-                out += EOS_TEXT.encode()
-            elif 0 <= i < 256:
-                out.append(i)
-            else:
-                raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
-        return out.decode("utf-8", "replace")
-
-
-class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
-
-    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a temp dir);
-    offline, put a copy there under the name tiktoken gives it, 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the
-    sha1 of its download URL).
-    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
-    """
-
-    spec = {"name": "gpt2"}
-
-    def __init__(self):
-        import tiktoken
-
-        try:
-            self._enc = tiktoken.get_encoding("r50k_base")
-        except Exception as e:  # a download failure surfaces as one of many network error types
-            raise DataError(
-                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. tiktoken "
-                "downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a directory holding a copy "
-                "named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte"
-            ) from None
-        self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
-
-    def encode(self, text):
-        return self._enc.encode_ordinary(text)
-
-    def encode_array(self, text):
-        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
-
-    def decode(self, ids):
-        return self._enc.decode(list(ids))
-
-
-class FileTokenizer:
-    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first of
-    EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
-
-    def __init__(self, path, spec):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip install tokenizers")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it cannot load ({e})")
-        self._tok.encode_special_tokens = True
-        names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        found = [(n, self._tok.token_to_id(n)) for n in names if self._tok.token_to_id(n) is not None]
-        if not found:
-            raise DataError(
-                f"{path}: expected an end-of-document token ({', '.join(names)}), found none; "
-                "name the one it has with --eos-token"
-            )
-        eos_token, self.eos_id = found[0]
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.spec = {**spec, "eos_token": eos_token}
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_array(self, text):
-        return np.asarray(self.encode(text), dtype=np.uint32)
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def load_tokenizer(spec: dict, directory=None):
-    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file", "file":
-    "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a prepared data directory
-    or a checkpoint directory). A file whose hash differs from the spec's is refused."""
-    name = spec.get("name") if isinstance(spec, dict) else None
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "file":
-        path = Path(directory or ".") / spec["file"]
-        if not path.is_file():
-            raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
-        if spec.get("sha256") and _sha256(path) != spec["sha256"]:
-            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), found another file")
-        return FileTokenizer(path, spec)
-    raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
-
 
 def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
     """--tokenizer gpt2|byte|PATH -> (tokenizer, path of a file to copy into the output, or None)."""
@@ -179,16 +61,8 @@ def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
     path = Path(flag)
     if not path.is_file():
         raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found {flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": _sha256(path), "eos_token": eos_token}
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(path), "eos_token": eos_token}
     return FileTokenizer(path, spec), path
-
-
-def _sha256(path, chunk=1 << 24):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # -----------------------------------------------------------------------------
@@ -709,7 +583,7 @@ def verify(directory) -> list:
         f = directory / spec.get("file", "tokenizer.json")
         if not f.is_file():
             problems.append(f"{f}: tokenizer file missing")
-        elif _sha256(f) != spec.get("sha256"):
+        elif sha256(f) != spec.get("sha256"):
             problems.append(f"{f}: sha256 differs from the manifest's tokenizer spec")
     return problems
 

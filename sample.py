@@ -17,7 +17,7 @@ from rich.markup import escape
 import ckpt
 import data
 from model import Mamba3LM, ModelConfig
-from prepare import load_tokenizer
+from data import load_tokenizer
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 

@@ -21,7 +21,7 @@ import ckpt
 import official
 from ckpt import CheckpointError
 from model import Mamba3LM, ModelConfig
-from prepare import ByteTokenizer
+from data import ByteTokenizer
 
 # two groups and a vocabulary that is not a multiple of 64, so the group layout and the padding are exercised
 CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2, mlp_hidden=128,

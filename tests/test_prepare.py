@@ -15,7 +15,8 @@ import pytest
 
 import prepare
 from data import DataError, Batches, open_tokens, read_manifest
-from prepare import demo_inputs, find_inputs, load_tokenizer, verify
+from data import load_tokenizer
+from prepare import demo_inputs, find_inputs, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT2_CACHE_NAME = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # tiktoken's cache name for r50k_base
