@@ -1,6 +1,6 @@
 """Token sources and the batches a training step sees.
 
-Sources, all opened by `open_tokens(path, split)` and read through memory maps:
+Sources, all opened by `open_tokens(path, split)` and read through memory maps (FORMATS below):
   - a prepare.py directory: `manifest.json` + `train_00000.bin ...` + `val_00000.bin ...`
   - a raw token file, such as nanoGPT's `train.bin` (uint16 unless `dtype` says otherwise)
   - a nanoGPT data directory holding `train.bin` and `val.bin`
@@ -9,17 +9,22 @@ Sources, all opened by `open_tokens(path, split)` and read through memory maps:
 Every one of them is one token stream: the concatenation of its files in order.
 
 Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
-targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of
-all windows, a pure function of (seed, source, epoch). Global sample g is the g-th entry of that endless
-sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-step m on rank r takes the
-contiguous slice starting at s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the
-count of consumed samples (plus, when blending, how many of them came from each source).
+targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
+permutation of all windows, a pure function of (seed, source, epoch). Global sample g is the g-th
+entry of that endless sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and
+micro-step m on rank r takes the contiguous slice starting at s*G + (m*world_size + r)*micro_batch.
+The whole loader state is therefore the count of consumed samples (plus, when blending, how many
+of them came from each source).
+
+The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
+here too: every tool writes files and reports errors the same way, and both prepare.py (to make
+shards) and sample.py (to read what a checkpoint was trained on) need the tokenizers.
 """
 import bisect
 import contextlib
 import fcntl
-import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -36,16 +41,15 @@ from pathlib import Path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-# torch is imported inside the few functions that make tensors: prepare.py shares this file's format
-# helpers, and its commands should start in a fraction of a second, not wait seconds for torch.
+# torch is imported inside the few functions that make tensors: prepare.py uses this file, and its
+# commands should start in a fraction of a second, not wait seconds for torch.
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
-FORMATS = (
-    "a prepare.py directory (manifest.json), a raw token file such as nanoGPT's train.bin, a nanoGPT data "
-    "directory (train.bin, val.bin), a directory of shard_*.bin files, or a Megatron prefix (PREFIX.bin + PREFIX.idx)"
-)
+MANIFEST_KEYS = {"dtype", "vocab_size", "eos_id", "tokenizer", "splits"}
+SPLIT_KEYS = {"tokens", "documents", "max_token_id", "shards"}
+SHARD_KEYS = ("file", "tokens", "documents", "max_token_id", "sha256")
 
 
 class DataError(ValueError):
@@ -53,8 +57,7 @@ class DataError(ValueError):
 
 
 # -----------------------------------------------------------------------------
-# files that survive a kill, and the one error line of every command-line tool (prepare.py, ckpt.py, the
-# export and train.py all write this way; they share these helpers rather than each keeping a copy)
+# files that survive a kill, and the one error paragraph of every command-line tool
 
 
 def fsync(path):
@@ -72,7 +75,8 @@ def sha256(path) -> str:
 
 
 def write_atomic(path, data: bytes):
-    """Write `path` whole or not at all: a temporary name beside it, fsync, rename, fsync the directory."""
+    """Write `path` whole or not at all: a temporary name beside it, fsync, rename, fsync the
+    directory."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -90,12 +94,13 @@ def write_atomic(path, data: bytes):
 def replace_dir(out, fill, ours):
     """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
 
-    fill(stage) writes the new contents into an empty stage beside `out` (`.NAME.stage`); then `out` moves to
-    `.NAME.old`, the stage takes its place, the files of the old directory that ours(old) does not claim (a
-    user's own) move into the new one, and the old one goes. One process at a time holds `.NAME.lock` (flock:
-    released by the OS however the holder ends), so whatever a stage or an old directory it finds was left by
-    a run that died: a stage is removed, an old directory is put back (no `out`: killed between the renames)
-    or retired (the swap was done). A failure inside fill leaves `out` as it was."""
+    fill(stage) writes the new contents into an empty stage beside `out` (`.NAME.stage`); then
+    `out` moves to `.NAME.old`, the stage takes its place, the files of the old directory that
+    ours(old) does not claim (a user's own) move into the new one, and the old one goes. One process
+    at a time holds `.NAME.lock` (flock: released by the OS however the holder ends), so any stage
+    or old directory it finds was left by a run that died: a stage is removed, an old directory is
+    put back (no `out`: killed between the renames) or retired (the swap was done). A failure inside
+    fill leaves `out` as it was. Returns fill's result."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
@@ -103,7 +108,8 @@ def replace_dir(out, fill, ours):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DataError(f"{out} is being written by another process; wait for it to finish") from None
+            raise DataError(f"{out} is being written by another process; wait for it to "
+                            "finish") from None
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists():
             _retire(old, out, ours) if out.exists() else os.rename(old, out)
@@ -126,7 +132,7 @@ def replace_dir(out, fill, ours):
 
 
 def _retire(old, out, ours):
-    # the replaced directory goes, but what it holds that is not the tool's own moves into the new one first
+    # the replaced directory goes, but first what it holds that is not the tool's own moves over
     mine = ours(old)
     for p in sorted(old.iterdir()):
         if p.name not in mine and not (out / p.name).exists():
@@ -138,8 +144,9 @@ def _retire(old, out, ours):
 
 @contextlib.contextmanager
 def cli_errors(*expected):
-    """The body of a command-line tool: an `expected` exception becomes one red paragraph on stderr (rank 0's
-    only, under torchrun) and exit status 2, Ctrl-C exit 130; warnings print as one plain line."""
+    """The body of a command-line tool: an `expected` exception becomes one red paragraph on stderr
+    (rank 0's only, under torchrun) and exit status 2, Ctrl-C exit 130; warnings print as one
+    line."""
     import typer
     from rich.console import Console
     from rich.markup import escape
@@ -155,17 +162,17 @@ def cli_errors(*expected):
         raise typer.Exit(130) from None
 
 
-EOS_TEXT = "<|endoftext|>"
-EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in tokenizer files
-
-
 # -----------------------------------------------------------------------------
-# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(list[int]) -> str,
-# eos_id, vocab_size and spec (JSON-serialisable; load_tokenizer(spec) rebuilds the same tokenizer)
+# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(ids),
+# eos_id, vocab_size and spec (JSON-serialisable: load_tokenizer(spec) rebuilds the same tokenizer)
+
+EOS_TEXT = "<|endoftext|>"
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in files
 
 
 class ByteTokenizer:
-    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a CPU."""
+    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a
+    CPU."""
 
     spec = {"name": "byte"}
     vocab_size, eos_id = 257, 256
@@ -191,10 +198,10 @@ class ByteTokenizer:
 class GPT2Tokenizer:
     """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
 
-    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a temp dir);
-    offline, put a copy there under the name tiktoken gives it, 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the
-    sha1 of its download URL).
-    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
+    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a
+    temp dir); offline, put a copy there under the name tiktoken gives it,
+    0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the sha1 of its download URL). Text is encoded as
+    ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
     """
 
     spec = {"name": "gpt2"}
@@ -206,10 +213,10 @@ class GPT2Tokenizer:
             self._enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:  # a download failure surfaces as one of many network error types
             raise DataError(
-                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. tiktoken "
-                "downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a directory holding a copy "
-                "named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte"
-            ) from None
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. "
+                "tiktoken downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a "
+                "directory holding a copy named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use "
+                "--tokenizer byte") from None
         self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
 
     def encode(self, text):
@@ -223,26 +230,26 @@ class GPT2Tokenizer:
 
 
 class FileTokenizer:
-    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first of
-    EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
+    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first
+    of EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
 
     def __init__(self, path, spec):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip install tokenizers")
+            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip "
+                            "install tokenizers") from None
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:
-            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it cannot load ({e})")
+            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
+                            f"cannot load ({e})") from None
         self._tok.encode_special_tokens = True
         names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        found = [(n, self._tok.token_to_id(n)) for n in names if self._tok.token_to_id(n) is not None]
+        found = [(n, i) for n in names if (i := self._tok.token_to_id(n)) is not None]
         if not found:
-            raise DataError(
-                f"{path}: expected an end-of-document token ({', '.join(names)}), found none; "
-                "name the one it has with --eos-token"
-            )
+            raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
+                            "found none; name the one it has with --eos-token")
         eos_token, self.eos_id = found[0]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.spec = {**spec, "eos_token": eos_token}
@@ -258,9 +265,9 @@ class FileTokenizer:
 
 
 def load_tokenizer(spec: dict, directory=None):
-    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file", "file":
-    "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a prepared data directory
-    or a checkpoint directory). A file whose hash differs from the spec's is refused."""
+    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
+    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a
+    prepared data directory or a checkpoint directory). A file whose hash differs is refused."""
     name = spec.get("name") if isinstance(spec, dict) else None
     if name == "byte":
         return ByteTokenizer()
@@ -271,7 +278,8 @@ def load_tokenizer(spec: dict, directory=None):
         if not path.is_file():
             raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
         if spec.get("sha256") and sha256(path) != spec["sha256"]:
-            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), found another file")
+            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
+                            "found another file")
         return FileTokenizer(path, spec)
     raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
 
@@ -281,391 +289,370 @@ def load_tokenizer(spec: dict, directory=None):
 
 
 class TokenSource:
-    """One token stream made of memory-mapped files ("segments"), read without copying where possible.
+    """One token stream made of memory-mapped files, read without copying where possible.
 
-    Attributes: `path` (what was opened), `files`, `dtype`, `num_tokens`, `vocab_size` and `eos_id` (from the
-    manifest; None for raw sources), `tokenizer` (the manifest's tokenizer spec dict, or None; rebuild it with
-    `load_tokenizer(source.tokenizer, source.path)`), and `max_token_id` (from the manifest, else one
-    vectorised scan of the files on first use).
+    path: what was opened; files: its non-empty files; tokens[k]: file k's tokens (read-only);
+    starts: file k holds stream positions [starts[k], starts[k + 1]); dtype; num_tokens.
+    vocab_size, eos_id and tokenizer (the spec: load_tokenizer(source.tokenizer, source.path)) are
+    what a manifest records, None for raw sources. id_range() is the manifest's record (then
+    `recorded` is True) or one scan of the files.
     """
 
-    def __init__(self, path, files, dtype, vocab_size=None, eos_id=None, tokenizer=None, max_token_id=None):
-        self.path = Path(path)
-        self.dtype = np.dtype(dtype)
-        self.vocab_size, self.eos_id, self.tokenizer = vocab_size, eos_id, tokenizer
-        self._max_token_id = max_token_id
-        self._min_token_id = None if max_token_id is None or self.dtype.kind == "i" else 0
+    def __init__(self, path, files, dtype, max_token_id=None):
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        self.vocab_size = self.eos_id = self.tokenizer = None  # set by a manifest's opener
         _raise_open_file_limit(len(files))
-        self.files, self._segments = [], []
-        for f in files:
-            nbytes = Path(f).stat().st_size
-            if nbytes % self.dtype.itemsize:
-                raise DataError(
-                    f"{f}: expected a whole number of {self.dtype.name} tokens ({self.dtype.itemsize} bytes each), "
-                    f"found {nbytes} bytes; wrong --dtype, or a truncated file?"
-                )
-            if nbytes:  # np.memmap refuses empty files, and an empty segment holds no tokens anyway
-                self.files.append(Path(f))
-                # A plain ndarray view: slicing it is several times cheaper than slicing an np.memmap.
-                self._segments.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
-        lengths = [len(s) for s in self._segments]
-        self._starts = [0] + np.cumsum(lengths, dtype=np.int64).tolist()  # segment k is [starts[k], starts[k+1])
-        self._starts_array = np.array(self._starts, dtype=np.int64)  # the same, for vectorised lookups
-        self._files = list(zip(self._segments, self._starts, lengths))  # (tokens, first, length) per file
-        self.num_tokens = self._starts[-1]
+        self.files, self.tokens = [], []
+        for f in map(Path, files):
+            size = f.stat().st_size
+            if size % self.dtype.itemsize:
+                raise DataError(f"{f}: expected a whole number of {self.dtype.name} tokens "
+                                f"({self.dtype.itemsize} bytes each), found {size} bytes; wrong "
+                                "--dtype, or a truncated file?")
+            if size:  # np.memmap refuses empty files, and they hold no tokens anyway
+                self.files.append(f)
+                # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
+                self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
+        self.starts = [0, *itertools.accumulate(map(len, self.tokens))]
+        self.num_tokens = self.starts[-1]
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        self._strided = {}  # seq_len -> (windows, seq_len + 1) strided view, for single-file sources
-        self._first_windows = {}  # seq_len -> (files + 1,) first window starting in each file
-        self._vocab, self._unchecked = None, None  # set by check_vocab: (files,) bool, those windows() still checks
+        self.recorded = max_token_id is not None and self.dtype.kind == "u"
+        self._range = (0, max_token_id) if self.recorded else None
+        self.unchecked, self._vocab = set(), None  # files windows() checks at their first read
+        self._layouts = {}  # seq_len -> how windows of that length are found (see _layout)
 
     def __repr__(self):
-        tokens = f"{self.num_tokens:,} {self.dtype.name} tokens"
-        return f"TokenSource({str(self.path)!r}, {tokens} in {len(self.files)} files)"
+        return (f"TokenSource({str(self.path)!r}, {self.num_tokens:,} {self.dtype.name} tokens in "
+                f"{len(self.files)} files)")
+
+    def id_range(self) -> tuple:
+        """(smallest, largest) token id: the manifest's record, else one vectorised scan."""
+        if self._range is None:
+            self._range = (int(min(t.min() for t in self.tokens)),
+                           int(max(t.max() for t in self.tokens)))
+        return self._range
 
     @property
     def max_token_id(self) -> int:
-        if self._max_token_id is None:
-            self._scan()
-        return self._max_token_id
+        return self.id_range()[1]
 
-    def _scan(self):
-        # One vectorised pass per file; the page cache does the rest.
-        self._max_token_id = int(max(s.max() for s in self._segments))
-        self._min_token_id = int(min(s.min() for s in self._segments))
+    def check_on_read(self, vocab_size: int):
+        """Check each file's ids against [0, vocab_size) the first time windows() reads it."""
+        self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) in the source dtype: a zero-copy view when they lie inside one file,
-        else one np.concatenate of the pieces."""
+        """Tokens [start, start + n) in the source dtype: a view of the file when they lie in one,
+        else a copy of the pieces."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        k = bisect.bisect_right(self._starts, start) - 1
-        lo = start - self._starts[k]
-        if lo + n <= len(self._segments[k]):
-            return self._segments[k][lo : lo + n]
-        pieces = []
-        while n > 0:
-            piece = self._segments[k][lo : lo + n]
-            pieces.append(piece)
-            n -= len(piece)
-            k, lo = k + 1, 0
-        return np.concatenate(pieces)
+        pieces, t, k = [], start, bisect.bisect_right(self.starts, start) - 1
+        while t < start + n:  # from one file on into the next
+            pieces.append(self.tokens[k][t - self.starts[k] : start + n - self.starts[k]])
+            t, k = t + len(pieces[-1]), k + 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
 
-    def windows(self, ids: np.ndarray, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids`: a (len(ids), seq_len + 1) array (see the module doc), in the source dtype,
-        or written into `out` when given: a C-contiguous array of any dtype that holds the tokens (Batches
-        passes int64, so the conversion happens in the same pass as the copy)."""
+    def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
+        """The tokens of windows `ids`: a (len(ids), seq_len + 1) array (see the module doc) in the
+        source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
+        int64: the conversion happens in the same pass as the copy)."""
         n, ids = seq_len + 1, np.asarray(ids)
-        if self._unchecked is not None:  # until every file is checked once: the files these windows touch
-            first = ids.astype(np.int64) * seq_len  # ids of an order are uint32: past 2**32 tokens the product wraps
-            lo, hi = np.searchsorted(self._starts_array, [first, first + seq_len], side="right") - 1
-            touched = self._unchecked[lo] | self._unchecked[hi]
-            for a, b in zip(lo[touched].tolist(), hi[touched].tolist()):
-                for k in range(a, b + 1):
-                    if self._unchecked is not None and self._unchecked[k]:
-                        self._check_file(k)
-        if len(self._segments) == 1:
-            # One file: view it as overlapping rows of n tokens, stride seq_len, and gather rows in one call.
-            view = self._strided.get(seq_len)
-            if view is None:
-                seg = self._segments[0]
-                rows = (len(seg) - 1) // seq_len
-                view = as_strided(seg, (rows, n), (seq_len * seg.itemsize, seg.itemsize), writeable=False)
-                self._strided[seq_len] = view
+        if self.unchecked:
+            self._check(ids, seq_len)
+        if len(self.tokens) == 1:
+            rows = self._layout(seq_len)  # (windows, n)
             if out is None:
-                return view[ids]  # (B, n)
-            out[...] = view[ids]
+                return rows[ids]
+            out[...] = rows[ids]
             return out
-        out = np.empty((len(ids), n), dtype=self.dtype) if out is None else out  # (B, n)
-        # Window w starts in the last file k with starts[k] <= w * seq_len, i.e. ceil(starts[k] / seq_len) <= w:
-        # searching the window ids among those (cached per seq_len) avoids a multiply and a cast per batch.
-        first_windows = self._first_windows.get(seq_len)
-        if first_windows is None:
-            first_windows = self._first_windows[seq_len] = -(-self._starts_array // seq_len)
-        after = first_windows.searchsorted(ids, side="right")  # (B,) 1 + the file each window starts in
-        # The pieces of all windows in order (one per window, two or more where a window spans files), then
-        # one concatenate into `out`: a single C loop copies them, instead of one Python setitem per window.
-        segs, files, pieces = self._segments, self._files, []
+        out = np.empty((len(ids), n), self.dtype) if out is None else out
+        after = self._layout(seq_len).searchsorted(ids, side="right")  # (B,) 1 + window's file
+        # all windows' pieces, then one concatenate into out: a single C loop copies them, instead
+        # of one Python setitem per window
+        pieces, starts, tokens = [], self.starts, self.tokens
         for w, k in zip(ids.tolist(), after.tolist()):
-            seg, first, length = files[k - 1]
-            lo = w * seq_len - first
-            if lo + n <= length:
-                pieces.append(seg[lo : lo + n])
-                continue
-            pieces.append(seg[lo:])  # the window spans files: its head is the tail of this one,
-            h = length - lo
-            while h < n:  # then the next file, which usually holds the rest, or whole files and a head
-                piece = segs[k][: n - h]
+            lo = w * seq_len - starts[k - 1]
+            piece = tokens[k - 1][lo : lo + n]
+            pieces.append(piece)
+            h = len(piece)
+            while h < n:  # at a file's end: the window runs on into the next file(s)
+                piece = tokens[k][: n - h]
                 pieces.append(piece)
                 h, k = h + len(piece), k + 1
-        np.concatenate(pieces, out=out.reshape(-1))  # a view of out, which is C-contiguous
+        np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _check_file(self, k):
-        # A shard changed after prepare.py wrote it (same size, so only `prepare.py verify` would notice) must not
-        # reach the model as an index error deep in a step: one vectorised pass over each file, once.
-        seg = self._segments[k]
-        bad = np.flatnonzero((seg >= self._vocab) | (seg < 0)) if seg.max() >= self._vocab or seg.min() < 0 else []
-        if len(bad):
-            raise DataError(f"{self.files[k]}: token id {seg[bad[0]]} at token offset {bad[0]} (byte "
-                            f"{bad[0] * self.dtype.itemsize}) is outside [0, {self._vocab}) of the model's vocabulary, "
-                            f"although the manifest says otherwise: was the file changed after prepare.py wrote it? "
-                            f"`python prepare.py verify {self.path}` checks every shard")
-        self._unchecked[k] = False
-        if not self._unchecked.any():
-            self._unchecked = None  # all checked: windows() pays nothing from here on
+    def _layout(self, seq_len):
+        # Cached per window length. One file: its windows as the overlapping rows of a strided view,
+        # so that a fancy index gathers them all in one call. Many: the first window of each file,
+        # ceil(starts[k] / seq_len), among which searching the window ids finds their files (with
+        # no multiply and cast of the ids per batch).
+        if seq_len not in self._layouts:
+            if len(self.tokens) == 1:
+                t, b = self.tokens[0], self.tokens[0].itemsize
+                shape = ((len(t) - 1) // seq_len, seq_len + 1)
+                self._layouts[seq_len] = as_strided(t, shape, (seq_len * b, b), writeable=False)
+            else:
+                self._layouts[seq_len] = -(-np.array(self.starts) // seq_len)
+        return self._layouts[seq_len]
+
+    def _check(self, ids, seq_len):
+        # A shard changed after prepare.py wrote it (same size: only `prepare.py verify` would
+        # notice) must not reach the model as an index error deep in a step: one vectorised pass
+        # over each file the windows touch, once. (Python ints: ids come as uint32, and past 2**32
+        # tokens their products would wrap.)
+        for t in (w * seq_len for w in ids.tolist()):
+            a, b = (bisect.bisect_right(self.starts, i) - 1 for i in (t, t + seq_len))
+            for k in self.unchecked.intersection(range(a, b + 1)):
+                tokens, V = self.tokens[k], self._vocab
+                if tokens.max() >= V or tokens.min() < 0:
+                    i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+                    raise DataError(
+                        f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
+                        f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
+                        "vocabulary, although the manifest says otherwise: was the file changed "
+                        f"after prepare.py wrote it? `python prepare.py verify {self.path}` "
+                        "checks every shard")
+                self.unchecked.discard(k)
 
 
 def _raise_open_file_limit(n_files: int):
-    # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the usual
-    # soft limit of 1024. Raise it as far as the hard limit allows, and say so plainly if that is not enough.
+    # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the
+    # usual soft limit of 1024. Raise it up to the hard limit, and say so if that is not enough.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = n_files + 256
     if soft == resource.RLIM_INFINITY or need <= soft:
         return
-    new = need if hard == resource.RLIM_INFINITY else min(hard, max(need, soft))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    if new < need:
-        raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; raise `ulimit -n`")
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; "
+                        "raise `ulimit -n`")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
-def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream; see the module doc for the formats.
-
-    `split` picks train/val in a prepare.py directory or a nanoGPT data directory; the other formats hold one
-    stream, which is the train split (asking them for another split is a DataError: `splits(path)` says what
-    exists). `dtype` is for raw files and shard directories (default uint16); a format that records its dtype
-    refuses a different one. Missing paths, unknown layouts and malformed files raise DataError.
-    """
-    p = Path(path)
-    want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
-    if p.is_dir():
-        if (p / MANIFEST).exists():
-            return _open_manifest(p, split, want)
-        shards = sorted(p.glob("shard_*.bin"), key=_natural_key)
-        if shards:
-            _only_train(p, split, "a directory of shard_*.bin files")
-            return TokenSource(p, shards, want or np.uint16)
-        if (p / "train.bin").exists() or (p / "val.bin").exists():
-            if not (p / f"{split}.bin").exists():
-                raise DataError(f"{p}: expected {split}.bin in this nanoGPT data directory, found {_listing(p)}")
-            return TokenSource(p / f"{split}.bin", [p / f"{split}.bin"], want or np.uint16)
-        if any(p.glob("train_*.bin")):
-            raise DataError(
-                f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py writes last: an interrupted "
-                "prepare.py run? Run prepare.py again"
-            )
-        raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}")
-    prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
-    if Path(str(prefix) + ".idx").exists():
-        _only_train(prefix, split, "a Megatron dataset")
-        return _open_megatron(prefix, want)
-    if p.is_file():
-        _only_train(p, split, "a single token file")
-        return TokenSource(p, [p], want or np.uint16)
-    raise DataError(f"{p}: no such file or directory; expected {FORMATS}")
-
-
-def splits(path) -> list:
-    """The splits `open_tokens(path, split)` can open: ["train", "val"] for a prepared or nanoGPT directory
-    that has both, ["train"] for the single-stream formats."""
-    p = Path(path)
-    if (p / MANIFEST).exists():
-        return [name for name, s in read_manifest(p)["splits"].items() if s["tokens"] > 0]
-    if p.is_dir() and not any(p.glob("shard_*.bin")):
-        return [name for name in ("train", "val") if (p / f"{name}.bin").exists()]
-    return ["train"]
-
-
-def _only_train(p, split, what):
-    if split != "train":
-        raise DataError(
-            f"{p}: asked for the {split!r} split, but {what} holds one token stream (the train split); "
-            "give the validation data as a separate path"
-        )
-
-
-def _natural_key(path):
-    # shard_2.bin sorts before shard_10.bin
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
-
-
-def _listing(p, limit=8):
-    names = sorted(x.name for x in p.iterdir())
-    if not names:
-        return "an empty directory"
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+def check_vocab(source: TokenSource, vocab_size: int):
+    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A
+    manifest's range is trusted now, and each file checked again the first time windows() reads
+    it: a shard edited after prepare.py keeps its size, and the manifest cannot know."""
+    lo, hi = source.id_range()
+    if lo < 0 or hi >= vocab_size:
+        theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
+        raise DataError(f"{source.path}: expected token ids in [0, {vocab_size}) for a model with "
+                        f"vocab_size {vocab_size}, found {hi if hi >= vocab_size else lo}{theirs}; "
+                        "use a model with a larger vocabulary or data made with its tokenizer")
+    if source.recorded:
+        source.check_on_read(vocab_size)
 
 
 # -----------------------------------------------------------------------------
-# prepare.py directories: manifest.json
+# the formats. An opener takes (path, split, dtype or None) and returns a TokenSource, or None when
+# the path is not of its format; open_tokens tries them in the order of FORMAT_OPENERS, so a new
+# format is one opener and one line there.
+
+
+class NoSplit(DataError):
+    """The path holds no such split (open_blend then runs without validation data)."""
+
+
+def _one_stream(p, split, what):
+    if split != "train":
+        raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream (the "
+                      "train split); give the validation data as a separate path")
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json` ; raise DataError saying what is wrong.
+    """Read and check `directory/manifest.json`; raise DataError saying what is wrong.
 
     Layout: {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
-             "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file", "tokens",
-             "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}
+             "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
+             "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}
     """
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DataError(f"{path}: not found; a prepare.py directory is valid only once its manifest is written")
+        raise DataError(f"{path}: not found; a prepare.py directory is valid only once its "
+                        "manifest is written") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: expected a JSON manifest, found unreadable content ({e})")
+        raise DataError(f"{path}: expected a JSON manifest, found unreadable content "
+                        f"({e})") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         found = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
     if m.get("version") != MANIFEST_VERSION:
-        raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found {m.get('version')!r}; a newer prepare.py?")
-    for key in ("dtype", "vocab_size", "eos_id", "tokenizer", "splits"):
-        if key not in m:
-            raise DataError(f"{path}: expected a {key!r} entry, found none")
-    if m["dtype"] not in ("uint16", "uint32"):
-        raise DataError(f"{path}: expected dtype uint16 or uint32, found {m['dtype']!r}")
-    try:
-        for name, s in m["splits"].items():
-            if not isinstance(s, dict) or not all(k in s for k in ("tokens", "documents", "max_token_id", "shards")):
-                raise DataError(f"{path}: split {name!r} lacks tokens/documents/max_token_id/shards")
-            for shard in s["shards"]:
-                if not all(k in shard for k in ("file", "tokens", "documents", "max_token_id", "sha256")):
-                    raise DataError(f"{path}: a shard of split {name!r} lacks "
-                                    "file/tokens/documents/max_token_id/sha256")
-                if Path(shard["file"]).name != shard["file"]:
-                    raise DataError(f"{path}: expected plain shard file names, found {shard['file']!r}")
-            if s["tokens"] != sum(shard["tokens"] for shard in s["shards"]):
-                raise DataError(f"{path}: split {name!r} says {s['tokens']} tokens, but its shards add up to another "
-                                "total")
-    except (AttributeError, TypeError) as e:  # a list where a dict belongs, a count written as a string, ...
-        raise DataError(f"{path}: expected splits of shard entries with numeric counts, found another layout ({e})")
+        raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found "
+                        f"{m.get('version')!r}; a newer prepare.py?")
+    try:  # hand-edited: a key gone, a list where a dict belongs, a count written as a string
+        totals = {name: sum(x["tokens"] for x in s["shards"]) for name, s in m["splits"].items()}
+        whole = MANIFEST_KEYS <= m.keys() and m["dtype"] in ("uint16", "uint32") and all(
+            SPLIT_KEYS <= s.keys() and all(x.keys() >= set(SHARD_KEYS) for x in s["shards"])
+            for s in m["splits"].values())
+    except (AttributeError, KeyError, TypeError):
+        whole = False
+    if not whole:
+        raise DataError(f"{path}: expected splits of shard entries with numeric counts "
+                        f"({', '.join(SHARD_KEYS)}) and dtype uint16 or uint32, found another "
+                        "layout")
+    for name, total in totals.items():
+        if m["splits"][name]["tokens"] != total:
+            raise DataError(f"{path}: split {name!r} says {m['splits'][name]['tokens']} tokens, "
+                            f"but its shards add up to {total}")
     return m
 
 
-def _open_manifest(directory, split, dtype):
-    m = read_manifest(directory)
-    if dtype is not None and dtype != np.dtype(m["dtype"]):
-        raise DataError(f"{directory}: its manifest says dtype {m['dtype']}, not the {dtype.name} asked for")
+def _prepared(p, split, dtype):
+    if not (p / MANIFEST).is_file():
+        return None
+    m = read_manifest(p)
     s = m["splits"].get(split)
     if s is None or s["tokens"] == 0:
         have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
-        raise DataError(f"{directory}: expected a {split!r} split, found only {have} (prepared with --val-fraction 0?)")
+        raise NoSplit(f"{p}: expected a {split!r} split, found only {have} (prepared with "
+                      "--val-fraction 0?)")
     itemsize = np.dtype(m["dtype"]).itemsize
-    files = []
-    for shard in s["shards"]:
-        f = Path(directory) / shard["file"]
+    for shard in s["shards"]:  # the sizes the manifest promises, before anything is mapped
+        f, want = p / shard["file"], shard["tokens"] * itemsize
         if not f.exists():
             raise DataError(f"{f}: listed in {MANIFEST} but missing")
-        size = f.stat().st_size
-        if size != shard["tokens"] * itemsize:
-            raise DataError(
-                f"{f}: expected {shard['tokens'] * itemsize} bytes ({shard['tokens']} {m['dtype']} tokens, per "
-                f"{MANIFEST}), found {size}; run `python prepare.py verify {directory}`"
-            )
-        files.append(f)
-    return TokenSource(
-        directory, files, m["dtype"], vocab_size=m["vocab_size"], eos_id=m["eos_id"],
-        tokenizer=m["tokenizer"], max_token_id=s["max_token_id"],
-    )
+        if f.stat().st_size != want:
+            raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
+                            f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
+                            f"verify {p}`")
+    files = [p / shard["file"] for shard in s["shards"]]
+    source = TokenSource(p, files, m["dtype"], s["max_token_id"])
+    source.vocab_size, source.eos_id = m["vocab_size"], m["eos_id"]
+    source.tokenizer = m["tokenizer"]
+    return source
 
 
-# -----------------------------------------------------------------------------
-# Megatron-LM indexed datasets
+def _shard_dir(p, split, dtype):
+    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
+    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
+    if not shards:
+        return None
+    _one_stream(p, split, "a directory of shard_*.bin files")
+    return TokenSource(p, shards, dtype or np.uint16)
+
+
+def _nanogpt_dir(p, split, dtype):
+    if not p.is_dir() or not ((p / "train.bin").exists() or (p / "val.bin").exists()):
+        return None
+    f = p / f"{split}.bin"
+    if not f.exists():
+        raise NoSplit(f"{p}: expected {split}.bin in this nanoGPT data directory, found "
+                      f"{_listing(p)}")
+    return TokenSource(f, [f], dtype or np.uint16)
+
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
-MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = documents + 1
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = docs + 1
 
 
-def _open_megatron(prefix, dtype):
-    idx, binf = Path(str(prefix) + ".idx"), Path(str(prefix) + ".bin")
+def _megatron(p, split, dtype):
+    # PREFIX.idx: the header, int32 lengths[S], int64 byte pointers[S], int64 document starts[D],
+    # 34 + 12 S + 8 D bytes in all; PREFIX.bin: the sequences' tokens back to back
+    prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
+    idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if not idx.exists():
+        return None
+    _one_stream(prefix, split, "a Megatron dataset")
     if not binf.exists():
-        raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and {binf.name}")
-    size = idx.stat().st_size
-    if size < MEGATRON_HEADER.size:
-        raise DataError(f"{idx}: expected a {MEGATRON_HEADER.size}-byte header at least, found {size} bytes")
-    raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy it
-    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(bytes(raw[: MEGATRON_HEADER.size]))
+        raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and "
+                        f"{binf.name}")
+    size, o = idx.stat().st_size, MEGATRON_HEADER.size
+    if size < o:
+        raise DataError(f"{idx}: expected a {o}-byte header at least, found {size} bytes")
+    raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
+    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(bytes(raw[:o]))
     if magic != MEGATRON_MAGIC:
-        raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a Megatron index")
+        raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a "
+                        "Megatron index")
     if version != 1:
         raise DataError(f"{idx}: expected version 1, found {version}")
     if code not in MEGATRON_DTYPES:
-        raise DataError(f"{idx}: expected a dtype code in {sorted(MEGATRON_DTYPES)} (integer tokens), found {code}")
+        raise DataError(f"{idx}: expected a dtype code in {sorted(MEGATRON_DTYPES)} (integer "
+                        f"tokens), found {code}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
-    if dtype is not None and dtype != token:
-        raise DataError(f"{idx}: records dtype {token.name}, not the {dtype.name} asked for")
-    expected = MEGATRON_HEADER.size + 12 * S + 8 * D
-    if len(raw) != expected:
-        raise DataError(
-            f"{idx}: expected {expected} bytes (34 + 12 x {S} sequences + 8 x {D} document boundaries), "
-            f"found {len(raw)}"
-        )
-    o = MEGATRON_HEADER.size
+    if size != o + 12 * S + 8 * D:
+        raise DataError(f"{idx}: expected {o + 12 * S + 8 * D} bytes (34 + 12 x {S} sequences + "
+                        f"8 x {D} document boundaries), found {size}")
     lengths = np.frombuffer(raw, "<i4", S, o).astype(np.int64)  # (S,) tokens per sequence
-    pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence in .bin
-    docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) sequence index where each document starts, then S
-    if S == 0:
-        raise DataError(f"{idx}: expected at least one sequence, found none")
-    if (lengths < 0).any():
-        i = int(np.argmax(lengths < 0))
-        raise DataError(f"{idx}: expected non-negative sequence lengths, found {lengths[i]} at sequence {i}")
-    if (np.diff(pointers) < 0).any():
-        i = int(np.argmax(np.diff(pointers) < 0)) + 1
-        raise DataError(
-            f"{idx}: expected increasing pointers, found {pointers[i]} after {pointers[i - 1]} at sequence {i}"
-        )
-    expect_ptr = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize
-    if (pointers != expect_ptr).any():
-        i = int(np.argmax(pointers != expect_ptr))
-        raise DataError(
-            f"{idx}: expected sequence {i} at byte {expect_ptr[i]} (right after the sequences before it), "
-            f"found pointer {pointers[i]}"
-        )
+    pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence
+    docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) first sequence of each document, then S
+    expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize  # back to back
+    bad = (pointers != expect) | (lengths < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
+                        f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
+                        f"{pointers[i]}")
     if D < 1 or docs[0] != 0 or docs[-1] != S or (np.diff(docs) < 0).any():
-        raise DataError(
-            f"{idx}: expected document boundaries rising from 0 to {S} (the sequence count), found "
-            f"{docs[:3].tolist()}...{docs[-3:].tolist()}"
-        )
-    want = int(lengths.sum()) * token.itemsize
-    have = binf.stat().st_size
+        raise DataError(f"{idx}: expected document boundaries rising from 0 to {S} (the sequence "
+                        f"count), found {docs[:3].tolist()}...{docs[-3:].tolist()}")
+    want, have = int(lengths.sum()) * token.itemsize, binf.stat().st_size
     if have != want:
         what = "truncated" if have < want else "longer than its index says"
-        raise DataError(
-            f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per {idx.name}), found {have}: {what}"
-        )
+        raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per "
+                        f"{idx.name}), found {have}: {what}")
     return TokenSource(prefix, [binf], token)
 
 
-# -----------------------------------------------------------------------------
-# vocabulary safety
+def _raw_file(p, split, dtype):
+    if not p.is_file():
+        return None
+    _one_stream(p, split, "a single token file")
+    return TokenSource(p, [p], dtype or np.uint16)
 
 
-def check_vocab(source: TokenSource, vocab_size: int):
-    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A source whose range
-    comes from its manifest is trusted now and each file checked once more the first time windows() reads it
-    (a shard edited after prepare.py keeps its size, and the manifest cannot know)."""
-    source._vocab = vocab_size
-    source._unchecked = np.ones(len(source.files), bool) if source._min_token_id is not None else None
-    top = source.max_token_id
-    if source._min_token_id is None:
-        source._scan()
-    if top >= vocab_size or source._min_token_id < 0:
-        bad = top if top >= vocab_size else source._min_token_id
-        raise DataError(
-            f"{source.path}: expected token ids in [0, {vocab_size}) for a model with vocab_size {vocab_size}, "
-            f"found {bad}" + (f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else "")
-            + "; use a model with a larger vocabulary or data made with its tokenizer"
-        )
+FORMAT_OPENERS = [  # (what it is, its opener), in the order open_tokens tries them
+    ("a prepare.py directory (manifest.json)", _prepared),
+    ("a directory of shard_*.bin files", _shard_dir),
+    ("a nanoGPT data directory (train.bin, val.bin)", _nanogpt_dir),
+    ("a Megatron prefix (PREFIX.bin + PREFIX.idx)", _megatron),
+    ("a raw token file such as nanoGPT's train.bin", _raw_file),
+]
+FORMATS = ", ".join(what for what, _ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_OPENERS[-1][0]
+
+
+def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
+    """Open a token stream of one of the FORMATS.
+
+    `split` picks train or val where the format has both; the others hold one stream, the train
+    split, and refuse another with NoSplit. `dtype` is for raw files and shard directories (default
+    uint16); a format that records its dtype refuses a different one. Missing paths, unknown
+    layouts and malformed files raise DataError.
+    """
+    p = Path(path)
+    want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
+    for _, opener in FORMAT_OPENERS:
+        source = opener(p, split, want)
+        if source is None:
+            continue
+        if want is not None and source.dtype != want:  # a format that records its dtype
+            raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} asked "
+                            "for")
+        return source
+    if p.is_dir() and any(p.glob("train_*.bin")):
+        raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
+                        "writes last: an interrupted prepare.py run? Run prepare.py again")
+    if p.is_dir():
+        raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}")
+    raise DataError(f"{p}: no such file or directory; expected {FORMATS}")
+
+
+def _listing(p, limit=8):
+    names = sorted(x.name for x in p.iterdir())
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more if names else "an empty directory"
 
 
 def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
-    """train.py's --data: specs are paths, or PATH:WEIGHT to blend several (or ["synthetic"]: random tokens
-    in a file under tmpdir, the only way random data is ever used). Returns (train sources, weights or None,
-    the first path's val source or None, vocab_size), every source checked against the vocabulary (by default
-    the first source's, else GPT-2's 50257)."""
+    """train.py's --data: specs are paths, or PATH:WEIGHT to blend several (or ["synthetic"]:
+    random tokens in a file under tmpdir, the only way random data is ever used). Returns (train
+    sources, weights or None, the first path's val source or None, vocab_size), every source checked
+    against the vocabulary (by default the first source's, else GPT-2's 50257)."""
     if list(specs) == ["synthetic"]:
         vocab, path = vocab_size or 50257, Path(tmpdir) / "synthetic.bin"
         np.random.default_rng(seed).integers(0, vocab, 1 << 22).astype(np.uint32).tofile(path)
@@ -673,19 +660,23 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     paths, weights = [], []
     for spec in specs:
         head, sep, tail = spec.rpartition(":")
-        weighted = sep and not Path(spec).exists()
+        weighted = sep and not Path(spec).exists()  # a path may hold a colon of its own
         if spec == "synthetic" or weighted and not tail.replace(".", "", 1).isdigit():
-            raise DataError(f"--data {spec!r}: expected a path or PATH:WEIGHT (a positive number); 'synthetic' "
-                            f"cannot be blended with real data")
+            raise DataError(f"--data {spec!r}: expected a path or PATH:WEIGHT (a positive number); "
+                            "'synthetic' cannot be blended with real data")
         paths.append(head if weighted else spec)
         weights.append(float(tail) if weighted else 1.0)
     sources = [open_tokens(path, "train", dtype) for path in paths]
     first = sources[0].tokenizer  # raw token files record none: only manifests can be compared
     for path, source in zip(paths[1:], sources[1:]):
         if first and source.tokenizer and source.tokenizer != first:
-            raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, {paths[0]} with {first}: "
-                            "the same ids would mean other things; blend data made with one tokenizer")
-    val = open_tokens(paths[0], "val", dtype) if "val" in splits(paths[0]) else None
+            raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, "
+                            f"{paths[0]} with {first}: the same ids would mean other things; blend "
+                            "data made with one tokenizer")
+    try:
+        val = open_tokens(paths[0], "val", dtype)
+    except NoSplit:
+        val = None
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources + [val] * (val is not None):
         check_vocab(source, vocab)
@@ -699,58 +690,56 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 class Batches:
     """The endless sequence of this rank's micro-batches (see the module doc).
 
-    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device` with y[:, j] == x[:, j+1],
-    for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn. Both are views of one (micro_batch,
-    seq_len + 1) buffer offset by a token (one copy of the tokens, one transfer to a GPU), so they are not
-    contiguous: call .contiguous() where a consumer needs it (the model does not).
-      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them (see `_blend`).
-      - global_batch: sequences per optimizer step over all ranks and micro-steps; it must be a multiple of
+    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device` with
+    y[:, j] == x[:, j+1], for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn. Both are
+    views of one (micro_batch, seq_len + 1) buffer offset by a token (one copy of the tokens, one
+    transfer to a GPU), so they are not contiguous: call .contiguous() where a consumer needs it
+    (the model does not).
+      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them.
+      - global_batch: sequences per optimizer step over all ranks and micro-steps; a multiple of
         micro_batch * world_size, and accum_steps = global_batch // (micro_batch * world_size).
-      - prefetch: build micro-batches in a background thread while the caller trains on the current one.
+      - prefetch: build micro-batches in a thread while the caller trains on the current one.
       - device: CUDA targets get pinned host memory and non_blocking copies.
-    state_dict() is a few numbers: consumed samples, per-source counts, and the settings that define the
-    sequence (global_batch, seq_len, seed, weights). load_state_dict() accepts a state saved with another
-    world_size or micro_batch (elastic resume) and refuses one saved with another global_batch, seq_len,
-    seed or blend. With prefetch the state is what the caller has taken, not what the thread has built.
+    state_dict() is a few numbers: consumed samples, per-source counts, and the settings that define
+    the sequence (global_batch, seq_len, seed, weights). load_state_dict() accepts a state saved
+    with another world_size or micro_batch (elastic resume) and refuses one saved with another
+    global_batch, seq_len, seed or blend. With prefetch the state is what the caller has taken, not
+    what the thread has built.
     """
 
-    def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0, weights=None,
-                 device="cpu", prefetch=False):
+    def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0,
+                 weights=None, device="cpu", prefetch=False):
+        import torch
+
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
-        if not self.sources:
-            raise DataError("Batches: expected at least one token source, found none")
-        for name, v in (("seq_len", seq_len), ("micro_batch", micro_batch), ("global_batch", global_batch),
-                        ("world_size", world_size)):
-            if int(v) != v or v < 1:
-                raise DataError(f"Batches: expected {name} to be a positive integer, found {v!r}")
+        # plain ints: the state goes into a checkpoint's JSON
+        self.seq_len, self.micro_batch = int(seq_len), int(micro_batch)
+        self.global_batch = int(global_batch)
+        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
         if not 0 <= rank < world_size:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank {rank}")
-        if int(seed) != seed or seed < 0:
-            raise DataError(f"Batches: expected a non-negative integer seed, found {seed!r}")
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank "
+                            f"{rank}")
         per_step = micro_batch * world_size
         if global_batch % per_step:
             raise DataError(
-                f"global batch {global_batch} sequences is not a multiple of micro_batch {micro_batch} x world_size "
-                f"{world_size} = {per_step}; pick sizes where it is (for example a global batch of "
-                f"{max(1, round(global_batch / per_step)) * per_step})"
-            )
-        self.seq_len, self.micro_batch, self.global_batch = int(seq_len), int(micro_batch), int(global_batch)
-        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
+                f"global batch {global_batch} sequences is not a multiple of micro_batch "
+                f"{micro_batch} x world_size {world_size} = {per_step}; pick sizes where it is "
+                "(for example a global batch of "
+                f"{max(1, round(global_batch / per_step)) * per_step})")
         self.accum_steps = global_batch // per_step
-        self._num_windows = [(s.num_tokens - 1) // self.seq_len for s in self.sources]
+        self._num_windows = [(s.num_tokens - 1) // seq_len for s in self.sources]
         for s, n in zip(self.sources, self._num_windows):
             if n < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {self.seq_len + 1} tokens, found {s.num_tokens}")
+                raise DataError(f"{s.path}: expected at least seq_len + 1 = {seq_len + 1} tokens, "
+                                f"found {s.num_tokens}")
         self.weights = _blend_weights(weights, len(self.sources))
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        import torch
-
         self._torch, self.device = torch, torch.device(device)
         self._cuda = self.device.type == "cuda"  # pinned memory and non_blocking copies
-        # the state: global samples consumed by all ranks together, and how many came from each source
+        # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
-        self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two epochs kept)
+        self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
         self._lock = threading.Lock()  # the order caches are shared with the prefetch thread
         self._prefetch = _Prefetch(self._build) if prefetch else None
 
@@ -758,36 +747,32 @@ class Batches:
         return self
 
     def __next__(self):
-        if self._prefetch is None:
-            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
-        else:
-            x, y, self._consumed, self._counts = self._prefetch(self._consumed, self._counts)
+        build = self._build if self._prefetch is None else self._prefetch
+        x, y, self._consumed, self._counts = build(self._consumed, self._counts)
         return x, y
 
     def state_dict(self) -> dict:
-        return {"consumed": self._consumed, "source_consumed": list(self._counts), "global_batch": self.global_batch,
-                "seq_len": self.seq_len, "seed": self.seed, "weights": [str(w) for w in self.weights]}
+        return {"consumed": self._consumed, "source_consumed": list(self._counts),
+                **self._settings()}
+
+    def _settings(self):
+        # what defines the sample sequence: a resume must keep all of it
+        return {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
+                "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
-        want = {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
-                "weights": [str(w) for w in self.weights]}
-        for key, mine in want.items():
-            if key not in state:
-                raise DataError(f"loader state: expected a {key!r} entry, found keys {sorted(state)}")
-            if state[key] != mine:
-                raise DataError(f"loader state: saved with {key} = {state[key]}, but this run has {key} = {mine}; the "
-                                f"sample sequence depends on it, so a resume must keep it (or start a fresh run)")
-        consumed, counts = int(state["consumed"]), tuple(int(c) for c in state["source_consumed"])
-        if len(counts) != len(self.sources) or sum(counts) != consumed:
-            raise DataError(f"loader state: expected {len(self.sources)} per-source counts adding up to {consumed}, "
-                            f"found {list(counts)}")
-        step = self.micro_batch * self.world_size
+        for key, mine in self._settings().items():
+            if state.get(key) != mine:
+                raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
+                                f"has {key} = {mine}; the sample sequence depends on it, so a "
+                                "resume must keep it (or start a fresh run)")
+        consumed, step = int(state["consumed"]), self.micro_batch * self.world_size
         if (consumed % self.global_batch) % step:
-            raise DataError(f"loader state: saved {consumed % self.global_batch} samples into an optimizer step, which "
-                            f"is not a whole number of micro_batch x world_size = {step} samples; resume from a "
-                            f"step boundary")
+            raise DataError(f"loader state: saved {consumed % self.global_batch} samples into an "
+                            "optimizer step, which is not a whole number of micro_batch x "
+                            f"world_size = {step} samples; resume from a step boundary")
         self.close()
-        self._consumed, self._counts = consumed, counts
+        self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
 
     def close(self):
         """Stop the prefetch thread, if one runs (the next batch starts it again)."""
@@ -795,39 +780,41 @@ class Batches:
             self._prefetch.stop()
 
     def _build(self, consumed, counts):
-        """This rank's micro-batch starting at global sample `consumed`, as a pure function of the state:
-        (x, y, consumed, counts) with the state after the whole micro-step (all ranks)."""
-        B, L = self.micro_batch, self.seq_len
+        """This rank's micro-batch starting at global sample `consumed`, as a pure function of the
+        state: (x, y, consumed, counts) with the state after the whole micro-step (all ranks)."""
+        B, L, n = self.micro_batch, self.seq_len, self.micro_batch * self.world_size
         g = self._empty_batch()  # (B, L + 1) int64: the windows, converted on the way in
         if len(self.sources) == 1:
-            with self._lock:
-                ids = self._window_ids(0, counts[0] + self.rank * B, B)  # this rank's slice of the micro-step
+            with self._lock:  # this rank's slice of the micro-step
+                ids = self._window_ids(0, counts[0] + self.rank * B, B)
             self.sources[0].windows(ids, L, out=g)
-            counts = (counts[0] + B * self.world_size,)
+            counts = (counts[0] + n,)
         else:
-            src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, B * self.world_size)
+            src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, n)
             for k in np.unique(src).tolist():
-                rows = np.flatnonzero(src == k)  # a source's samples in a batch are consecutive in its order
+                rows = np.flatnonzero(src == k)  # consecutive samples in source k's own order
                 with self._lock:
                     ids = self._window_ids(k, int(first[rows[0]]), len(rows))
                 g[rows] = self.sources[k].windows(ids, L)
-        # x and y are views of the one buffer, offset by a token: one copy of the tokens, one transfer
+        # x and y are views of the one buffer, offset by a token: one copy of the tokens, one
+        # transfer
         if self._cuda:
             g = self._torch.from_numpy(g).to(self.device, non_blocking=True)
-            return g[:, :-1], g[:, 1:], consumed + B * self.world_size, counts
-        # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: it shows at 15 us a batch)
+            return g[:, :-1], g[:, 1:], consumed + n, counts
+        # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
         x, y = self._torch.from_numpy(g[:, :-1]), self._torch.from_numpy(g[:, 1:])
-        return x, y, consumed + B * self.world_size, counts
+        return x, y, consumed + n, counts
 
     def _window_ids(self, k, first, n):
-        """Window ids of source k's samples first, first + 1, ..., first + n - 1: slices of epoch orders."""
+        """Window ids of source k's samples first .. first + n - 1: slices of epoch orders."""
         W = self._num_windows[k]
         e, p = divmod(first, W)
         if p + n <= W:
             return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
         idx = np.arange(first, first + n)
         epochs, pos = idx // W, idx % W
-        return np.concatenate([self._order(k, e)[pos[epochs == e]] for e in np.unique(epochs).tolist()])
+        return np.concatenate([self._order(k, e)[pos[epochs == e]]
+                               for e in np.unique(epochs).tolist()])
 
     def _order(self, k, epoch):
         """Source k's window order for `epoch`: a permutation drawn from (seed, k, epoch) alone."""
@@ -846,24 +833,26 @@ class Batches:
         if not self._cuda:
             return np.empty(shape, np.int64)
         # pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True)
-        return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()  # filled in place
+        return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """Blending: the source and per-source sample index of samples [lo, lo + B) of the micro-step of n samples
-    that starts at global sample `consumed`, and the per-source counts after the whole micro-step.
+    """Blending: the source and per-source sample index of samples [lo, lo + B) of the micro-step
+    of n samples that starts at global sample `consumed`, and the per-source counts after it.
 
-    Earliest deadline first among the sources not ahead of their share, in exact integer arithmetic: weight
-    k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) * a[k] / D, and its next sample's
-    deadline is (c[k] + 1) / a[k]. Every prefix of the sequence is then within one sample of its shares (the
-    simpler "largest deficit first" is not: tests/test_data.py has weights where it strays further)."""
+    Earliest deadline first among the sources not ahead of their share, in exact integer
+    arithmetic: weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) a[k] / D,
+    and its next sample's deadline is (c[k] + 1) / a[k]. Every prefix of the sequence is then within
+    one sample of its shares (the simpler "largest deficit first" is not: tests/test_data.py has
+    weights where it strays further)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
     for i in range(n):
         g, best = consumed + i, -1
         for k in range(len(c)):
-            if c[k] * D < (g + 1) * a[k] and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
+            eligible = c[k] * D < (g + 1) * a[k]
+            if eligible and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
                 best = k
         if lo <= i < lo + B:
             src[i - lo], idx[i - lo] = best, c[best]
@@ -871,9 +860,17 @@ def _blend(consumed, counts, shares, lo, B, n):
     return src, idx, tuple(c)
 
 
+def _blend_weights(weights, n):
+    ws = [Fraction(str(w)) for w in weights or [1] * n]  # "0.7" -> 7/10 exactly
+    if len(ws) != n or min(ws) <= 0:
+        raise DataError(f"Batches: expected {n} positive weights, one per source, found {weights}")
+    return [w / sum(ws) for w in ws]
+
+
 class _Prefetch:
-    """build(consumed, counts) run ahead in a thread: each item carries the state after it, so the caller's
-    state is what it has taken. Called like build itself; restarts from the caller's state after stop()."""
+    """build(consumed, counts) run ahead in a thread: each item carries the state after it, so the
+    caller's state is what it has taken. Called like build itself; restarts from the caller's
+    state after stop()."""
 
     def __init__(self, build):
         self.build, self.thread = build, None
@@ -904,25 +901,11 @@ class _Prefetch:
     def stop(self):
         if self.thread is not None:
             self.stopping.set()
-            while self.thread.is_alive():
+            while self.thread.is_alive():  # drain, so that a put blocked on a full queue returns
                 with contextlib.suppress(queue.Empty):
                     self.queue.get_nowait()
                 self.thread.join(0.05)
             self.thread = None
-
-
-def _blend_weights(weights, n):
-    if weights is None:
-        weights = [1] * n
-    if len(weights) != n:
-        raise DataError(f"Batches: expected {n} weights, one per source, found {len(weights)}")
-    try:
-        ws = [Fraction(str(w)) for w in weights]  # "0.7" -> 7/10 exactly
-    except (ValueError, ZeroDivisionError):
-        raise DataError(f"Batches: expected numeric weights, found {list(weights)}")
-    if any(w <= 0 for w in ws):
-        raise DataError(f"Batches: expected positive weights, found {list(weights)}")
-    return [w / sum(ws) for w in ws]
 
 
 # -----------------------------------------------------------------------------
@@ -930,24 +913,24 @@ def _blend_weights(weights, n):
 
 
 def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1, device="cpu"):
-    """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the same at
-    every call.
+    """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the
+    same at every call.
 
-    The source has (num_tokens - 1) // seq_len windows. The batches are windows [0, micro_batch), [micro_batch,
-    2 * micro_batch), ... up to `num_batches` of them, or as many full batches as exist; a source with fewer
-    windows than one micro_batch gives a single smaller batch, and one with no window at all is a DataError.
-    Batch j goes to rank j % world_size, so the ranks together cover exactly the windows of world_size=1 (a rank
-    may get one batch fewer than another, or none: sum losses and counts across ranks, not per-rank means).
+    The source has (num_tokens - 1) // seq_len windows. The batches are windows [0, micro_batch),
+    [micro_batch, 2 * micro_batch), ... up to `num_batches` of them, or as many full batches as
+    exist; a source with fewer windows than one micro_batch gives a single smaller batch, and one
+    with no window at all is a DataError. Batch j goes to rank j % world_size, so the ranks together
+    cover exactly the windows of world_size=1 (a rank may get one batch fewer than another, or
+    none: sum losses and counts across ranks, not per-rank means).
     """
-    windows = (source.num_tokens - 1) // seq_len
-    if windows < 1:
-        raise DataError(
-            f"{source.path}: expected at least seq_len + 1 = {seq_len + 1} validation tokens, found {source.num_tokens}"
-        )
-    n = min(num_batches * micro_batch, windows)
-    bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
     import torch
 
+    windows = (source.num_tokens - 1) // seq_len
+    if windows < 1:
+        raise DataError(f"{source.path}: expected at least seq_len + 1 = {seq_len + 1} validation "
+                        f"tokens, found {source.num_tokens}")
+    n = min(num_batches * micro_batch, windows)
+    bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
     pin = torch.device(device).type == "cuda"
     for j in range(rank, len(bounds), world_size):
         g = source.windows(np.arange(*bounds[j]), seq_len)  # (b, L + 1)

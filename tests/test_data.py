@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import data
-from data import Batches, DataError, check_vocab, open_tokens, splits, val_batches
+from data import Batches, DataError, NoSplit, check_vocab, open_blend, open_tokens, val_batches
 
 L = 7  # a small seq_len makes many windows out of small files
 
@@ -137,7 +137,7 @@ def test_reads_spanning_files_equal_the_stream(kind, tmp_path):
     first = source.files[0]
     inside = source.read(1, 3)
     assert not inside.flags.owndata  # a view of the memory map, not a copy
-    assert np.shares_memory(inside, source._segments[0]) and first.exists()
+    assert np.shares_memory(inside, source.tokens[0]) and first.exists()
     with pytest.raises(IndexError):
         source.read(len(s) - 2, 3)
 
@@ -149,12 +149,13 @@ def test_raw_dtype_and_split_rules(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(DataError, match=r"odd.bin: expected a whole number of uint32 tokens.*found 3 bytes"):
         open_tokens(tmp_path / "odd.bin", dtype="uint32")
-    with pytest.raises(DataError, match="one token stream"):
+    with pytest.raises(NoSplit, match="one token stream"):
         open_tokens(tmp_path / "train.bin", split="val")
-    assert splits(tmp_path / "train.bin") == ["train"]
-    assert splits(tmp_path) == ["train"]  # a nanoGPT directory without val.bin
-    with pytest.raises(DataError, match="val.bin"):
+    assert open_blend([str(tmp_path / "train.bin")], vocab_size=1 << 16)[2] is None  # no validation
+    assert open_tokens(tmp_path).num_tokens == 100  # a nanoGPT directory without val.bin
+    with pytest.raises(NoSplit, match="val.bin"):
         open_tokens(tmp_path, split="val")
+    assert open_blend([str(tmp_path)], vocab_size=1 << 16)[2] is None
 
 
 def test_manifest_splits_and_metadata(tmp_path):
@@ -164,7 +165,7 @@ def test_manifest_splits_and_metadata(tmp_path):
     assert (train.num_tokens, val.num_tokens) == (300, 40)
     assert (train.vocab_size, train.eos_id, train.tokenizer) == (60000, 5, {"name": "byte"})
     assert train.max_token_id == int(s.max()) and val.max_token_id == int(s[:40].max())
-    assert splits(d) == ["train", "val"]
+    assert open_blend([str(d)])[2].num_tokens == 40  # the val split is what train.py evaluates on
 
 
 # -----------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_missing_and_unknown_paths_name_the_formats(tmp_path):
 def test_manifest_errors(tmp_path):
     s = stream_of(300)
     d = write_manifest_dir(tmp_path / "m", {"train": s})
-    with pytest.raises(DataError, match=r"'val' split.*--val-fraction 0"):
+    with pytest.raises(NoSplit, match=r"'val' split.*--val-fraction 0"):
         open_tokens(d, "val")
     with pytest.raises(DataError, match="dtype"):
         open_tokens(d, dtype="uint32")
@@ -324,7 +325,7 @@ def test_a_changed_shard_is_caught_past_4g_tokens(tmp_path):
     np.array([1, 2, 3, 200, 5], np.uint8).tofile(tmp_path / "b.bin")  # 200: edited after the manifest said max 9
     source = data.TokenSource(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], np.uint8, max_token_id=9)
     check_vocab(source, 100)
-    source._unchecked[0] = False  # as if a.bin were checked already: scanning 4 GiB would take seconds
+    source.unchecked.discard(0)  # as if a.bin were checked already: scanning 4 GiB would take seconds
     with pytest.raises(DataError, match=r"b.bin: token id 200 at token offset 3"):
         source.windows(np.array([(1 << 32) // 4], np.uint32), 4)
 
