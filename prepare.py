@@ -1,32 +1,34 @@
 """Turn text into the token shards data.py reads.
 
-    python prepare.py                                      # demo corpus: Python's own stdlib sources -> data/demo
+    python prepare.py                                    # demo corpus: Python's stdlib -> data/demo
     python prepare.py corpus/ extra.jsonl.gz --out-dir data/mine --tokenizer gpt2
-    python prepare.py fineweb/*.parquet --out-dir data/web     # Parquet: one row per document, the "text" column
-    python prepare.py verify data/mine                     # re-hash and range-check every shard
-    python prepare.py info data/mine                       # statistics and a decoded sample
+    python prepare.py fineweb/*.parquet --out-dir data/web   # one row a document: the "text" column
+    python prepare.py verify data/mine                   # re-hash and range-check every shard
+    python prepare.py info data/mine                     # statistics and a decoded sample
 
-Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py files (one file is
-one document) and .jsonl files (one line is one document: its "text" field), each optionally gzipped, and .parquet
-files (one row is one document: its "text" column, read alone, a slice of a row group at a time; a null is an empty
-document); --text-field names another field or column. Every document is followed by the tokenizer's EOS id.
-Documents go, in input order, to the validation split when ceil(n * f) grows at document n (so the first document,
-and then every 1/f-th, when f > 0), else to train; each split is cut into shards of about --shard-tokens tokens at
-document ends. Tokenization runs in --workers processes; results come back in input order, so the output is
+Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
+files (one file is one document) and .jsonl files (one line is one document: its "text" field),
+each optionally gzipped, and .parquet files (one row is one document: its "text" column, read alone,
+a slice of a row group at a time; a null is an empty document); --text-field names another field or
+column. Every document is followed by the tokenizer's EOS id. Documents go, in input order, to the
+validation split when ceil(n * f) grows at document n (so the first document, and then every 1/f-th,
+when f > 0), else to train; each split is cut into shards of about --shard-tokens tokens at document
+ends. Tokenization runs in --workers processes; results come back in input order, so the output is
 byte-identical for any worker count.
 
-The output is built in a hidden sibling directory (shards fsynced and renamed, manifest.json last) and swapped
-into place only when complete, so a failure or a kill never leaves a half-written directory that looks valid,
-and never touches a previous output.
+The output is built in a hidden directory beside --out-dir (shards fsynced, manifest.json last) and
+put in its place only when complete (data.replace_dir), so a failure or a kill never leaves a
+half-written directory that looks valid and never loses the previous output; the next run finishes
+or undoes a swap a kill interrupted. Files you added to a previous output move into the new one.
 """
-import glob
+import dataclasses
 import gzip
 import hashlib
+import inspect
 import json
 import multiprocessing
 import os
 import re
-import shutil
 import sys
 import sysconfig
 import time
@@ -35,33 +37,57 @@ from collections import deque
 from contextlib import closing
 from fractions import Fraction
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer import Option
 
-from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer, load_tokenizer,
-                  open_tokens, read_manifest, sha256)
+from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
+                  cli_errors, load_tokenizer, open_tokens, read_manifest, replace_dir, sha256,
+                  write_atomic)
 
 DEMO_OUT = Path("data/demo")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
-BATCH_BYTES = 1 << 20  # text per task sent to a worker: large enough to amortise the inter-process copy
+BATCH_BYTES = 1 << 20  # text per task sent to a worker: enough to amortise the inter-process copy
 PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice of one row group
 
+
+@dataclasses.dataclass
+class Options:
+    """How prepare() cuts and tokenizes; the fields are also the command's flags (see main)."""
+    shard_tokens: Annotated[int, Option(help="Most tokens per shard; shards end at document ends "
+                                        "(a longer document gets one of its own).")] = 50_000_000
+    val_fraction: Annotated[Optional[float], Option(
+        help="Fraction of documents held out for validation, at least one when > 0 (default: 0.01 "
+        "for the demo, 0.0005 otherwise).")] = None
+    workers: Annotated[Optional[int], Option(help="Tokenizer processes (default: all "
+                                             "cores).")] = None
+    eos_token: Annotated[Optional[str], Option(
+        help="The end-of-document token of a tokenizer file, when it is not one of "
+        f"{', '.join(EOS_TOKENS)}.")] = None
+    overwrite: Annotated[bool, Option(help="Replace an --out-dir that holds something other than a "
+                                      "previous output.")] = False
+    text_field: Annotated[str, Option(help="The text column of .parquet files and the text field "
+                                      "of .jsonl records.")] = "text"
+
+
 def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
-    """--tokenizer gpt2|byte|PATH -> (tokenizer, path of a file to copy into the output, or None)."""
+    """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
     if flag in ("byte", "gpt2"):
         if eos_token:
-            raise DataError(f"--eos-token is for tokenizer files; the {flag} tokenizer has its EOS built in")
+            raise DataError(f"--eos-token is for tokenizer files; the {flag} tokenizer has its EOS "
+                            "built in")
         return load_tokenizer({"name": flag}), None
     path = Path(flag)
     if not path.is_file():
-        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found {flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(path), "eos_token": eos_token}
+        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
+                        f"{flag!r} (no such file)")
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(path),
+            "eos_token": eos_token}
     return FileTokenizer(path, spec), path
 
 
@@ -72,24 +98,23 @@ def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
 def _kind(path: Path):
     if path.name.endswith(".parquet"):  # compressed inside, never gzipped as a whole
         return "parquet"
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    name = path.name.removesuffix(".gz")
     if name.endswith(".jsonl"):
         return "jsonl"
     return "text" if name.endswith(TEXT_SUFFIXES) else None
 
 
 def find_inputs(paths) -> list:
-    """Input files in a deterministic order: each path in turn; a directory's files (hidden directories
-    skipped) sorted by their path inside it."""
+    """Input files in a deterministic order: each path in turn; a directory's files (hidden
+    directories skipped) sorted by their path inside it."""
     files = []
     for p in map(Path, paths):
         if not p.exists():
             raise DataError(f"{p}: no such file or directory")
         if p.is_file():
             if _kind(p) is None:
-                found = p.suffix or "no suffix"
-                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) or a .parquet "
-                                f"file, found {found}")
+                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) "
+                                f"or a .parquet file, found {p.suffix or 'no suffix'}")
             files.append(p)
             continue
         found = []
@@ -99,28 +124,27 @@ def find_inputs(paths) -> list:
         files += sorted(found, key=lambda f: f.relative_to(p).parts)
     files = list(dict.fromkeys(files))  # a file named twice is read once
     if not files:
-        raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, .py, .jsonl or "
-                        ".parquet files")
+        raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, "
+                        ".py, .jsonl or .parquet files")
     return files
 
 
 def demo_inputs(root=None) -> list:
-    """The demo corpus: every .py file of the Python standard library (or of `root`), without its test suites
-    and installed packages, sorted by path."""
+    """The demo corpus: every .py file of the Python standard library (or of `root`), without its
+    test suites and installed packages, sorted by path."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = sorted(
-        (f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])),
-        key=lambda f: f.relative_to(root).parts,
-    )
+    files = [f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])]
+    files.sort(key=lambda f: f.relative_to(root).parts)
     if not files:
-        raise DataError(f"{root}: expected the Python standard library's .py files, found none (a zipped stdlib?)")
+        raise DataError(f"{root}: expected the Python standard library's .py files, found none (a "
+                        "zipped stdlib?)")
     return files
 
 
 def check_parquet(files, text_field="text"):
-    """Check, from the footers alone, that every .parquet file among `files` is one and has a string column
-    `text_field`."""
+    """Check, from the footers alone, that every .parquet file among `files` is one and has a
+    string column `text_field`: a bad file is refused before any work starts."""
     parquet = [f for f in files if _kind(f) == "parquet"]
     if not parquet:
         return
@@ -131,25 +155,26 @@ def check_parquet(files, text_field="text"):
         try:
             schema = pq.read_schema(f)
         except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{f}: expected a Parquet file, found one pyarrow cannot read ({e})") from None
+            raise DataError(f"{f}: expected a Parquet file, found one pyarrow cannot read "
+                            f"({e})") from None
         if text_field not in schema.names:
-            raise DataError(f"{f}: expected a column {text_field!r} (--text-field), found the columns "
-                            f"{', '.join(map(repr, schema.names))}")
+            raise DataError(f"{f}: expected a column {text_field!r} (--text-field), found the "
+                            f"columns {', '.join(map(repr, schema.names))}")
         t = schema.field(text_field).type
         if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
-            raise DataError(f"{f}: expected column {text_field!r} to hold text (an Arrow string type), found {t}; "
-                            "name the text column with --text-field")
+            raise DataError(f"{f}: expected column {text_field!r} to hold text (an Arrow string "
+                            f"type), found {t}; name the text column with --text-field")
 
 
 def _parquet_texts(path, text_field):
-    """The raw UTF-8 bytes of each row's text (b"" for a null), reading only that column, a slice of one row
-    group at a time."""
+    """The raw UTF-8 bytes of each row's text (b"" for a null), reading only that column, a slice
+    of one row group at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the reader, so
-        # memory would grow with the file: read one row group's column in 1 MiB pieces instead.
+        # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the
+        # reader, so memory would grow with the file: read one row group's column in 1 MiB pieces.
         with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as pf:
             for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
                 for raw in batch.column(0).cast(pa.large_binary()).to_pylist():
@@ -159,15 +184,15 @@ def _parquet_texts(path, text_field):
 
 
 def read_documents(files, text_field="text"):
-    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file, line or slice of a
-    Parquet row group at a time. A Parquet row is a "text" document: its bytes are the text."""
+    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file, line or
+    slice of a Parquet row group at a time. A Parquet row is a "text" document: its bytes are the
+    text."""
     for i, f in enumerate(files):
         if _kind(f) == "parquet":
             yield from (("text", raw, (i, 0)) for raw in _parquet_texts(f, text_field))
             continue
-        opener = gzip.open if f.name.endswith(".gz") else open
         try:
-            with opener(f, "rb") as fh:
+            with (gzip.open if f.name.endswith(".gz") else open)(f, "rb") as fh:
                 if _kind(f) == "text":
                     yield "text", fh.read(), (i, 0)
                     continue
@@ -212,34 +237,43 @@ def _decode(raw: bytes):
         return text, text.count("\ufffd") - raw.count("\ufffd".encode())
 
 
+def _text_of(kind, raw, text_field):
+    """(text, undecodable count) of one document; a ValueError says what is wrong with a line."""
+    text, bad = _decode(raw)
+    if kind == "text":
+        return text, bad
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+        found = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"expected a JSON object with a string {json.dumps(text_field)} field "
+                         f"(--text-field), found {found}")
+    text = obj[text_field]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, from \ud800-style escapes, cannot be UTF-8
+        text, n = _SURROGATE.subn("\ufffd", text)
+        bad += n
+    return text, bad
+
+
 def _encode_batch(items, dtype, text_field):
-    """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for an empty
-    document, which is skipped, undecodable count, None or (item index, error message))."""
-    tok = _TOKENIZER
-    eos = np.array([tok.eos_id], dtype=dtype)
+    """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for
+    an empty document, which is skipped, undecodable count, None or (item index, error message))."""
+    eos = np.array([_TOKENIZER.eos_id], dtype=dtype)
     pieces, lengths, bad = [], [], 0
     for i, (kind, raw) in enumerate(items):
-        text, n_bad = _decode(raw)
-        if kind == "jsonl":
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                return None, None, bad, (i, f"expected one JSON object per line, found invalid JSON ({e})")
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                found = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
-                return None, None, bad, (i, f"expected a JSON object with a string {json.dumps(text_field)} field "
-                                            f"(--text-field), found {found}")
-            text = obj[text_field]
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes cannot be UTF-8
-                text, n = _SURROGATE.subn("\ufffd", text)
-                n_bad += n
+        try:
+            text, n_bad = _text_of(kind, raw, text_field)
+        except ValueError as e:  # the parent names the file and line
+            return None, None, bad, (i, str(e))
         bad += n_bad
         if not text:
             lengths.append(0)
             continue
-        ids = tok.encode_array(text)
+        ids = _TOKENIZER.encode_array(text)
         pieces += [ids.astype(dtype, copy=False), eos]
         lengths.append(len(ids) + 1)
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
@@ -248,7 +282,8 @@ def _encode_batch(items, dtype, text_field):
 
 def _encoded(files, dtype, pool, workers, text_field):
     """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order, with at most
-    2 x workers batches in flight, so memory stays bounded whatever the corpus size. No pool: this process."""
+    2 x workers batches in flight, so memory stays bounded whatever the corpus size. No pool: in
+    this process."""
     batches = _batched(read_documents(files, text_field))
     if pool is None:
         for items, origins in batches:
@@ -266,27 +301,29 @@ def _encoded(files, dtype, pool, workers, text_field):
 
 
 # -----------------------------------------------------------------------------
-# writing shards, atomically
+# writing shards
 
 
 class ShardWriter:
-    """One split's shards: whole documents appended in order, a new shard when the next document would
-    overflow --shard-tokens (a document larger than that gets a shard of its own). Each shard is written to
-    a temporary name, fsynced, then renamed; `shards` collects the manifest entries."""
+    """One split's shards: whole documents appended in order, a new shard when the next document
+    would overflow --shard-tokens (a document larger than that gets a shard of its own). Each shard
+    is fsynced when complete; `shards` collects the manifest entries. (No temporary names: the
+    whole directory is a stage until replace_dir puts it in place.)"""
 
     def __init__(self, directory: Path, split: str, dtype, shard_tokens: int):
-        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, np.dtype(dtype), shard_tokens
-        self.shards, self._f = [], None
+        self.directory, self.split, self.dtype = directory, split, np.dtype(dtype)
+        self.shard_tokens, self.shards, self._f = shard_tokens, [], None
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray):
-        """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes (all > 0)."""
+        """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes (> 0)."""
         ends = np.cumsum(lengths)  # (D,) where each document ends in `tokens`
         i = 0
         while i < len(lengths):
             if self._f is None:
                 self._open()
             begin = int(ends[i - 1]) if i else 0
-            j = int(np.searchsorted(ends, begin + self.shard_tokens - self._tokens, side="right"))  # docs i..j-1 fit
+            room = begin + self.shard_tokens - self._tokens
+            j = int(np.searchsorted(ends, room, side="right"))  # documents i .. j-1 fit
             if j == i:
                 if self._tokens:
                     self._close()
@@ -296,9 +333,7 @@ class ShardWriter:
             self._f.write(chunk.data)
             self._hash.update(chunk.data)
             self._max = max(self._max, int(chunk.max()))
-            self._tokens += len(chunk)
-            self._docs += j - i
-            i = j
+            self._tokens, self._docs, i = self._tokens + len(chunk), self._docs + j - i, j
             if i < len(lengths):
                 self._close()
 
@@ -308,7 +343,7 @@ class ShardWriter:
 
     def _open(self):
         self._name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._f = open(self.directory / (self._name + ".tmp"), "wb", buffering=1 << 23)
+        self._f = open(self.directory / self._name, "wb", buffering=1 << 23)
         self._hash, self._tokens, self._docs, self._max = hashlib.sha256(), 0, 0, 0
 
     def _close(self):
@@ -316,195 +351,128 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         self._f = None
-        os.replace(self.directory / (self._name + ".tmp"), self.directory / self._name)
         self.shards.append({"file": self._name, "tokens": self._tokens, "documents": self._docs,
                             "max_token_id": self._max, "sha256": self._hash.hexdigest()})
 
 
-def _write_atomic(path: Path, data: bytes):
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _split_summary(shards):
-    return {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+    total = lambda key: sum(s[key] for s in shards)  # noqa: E731
+    return {"tokens": total("tokens"), "documents": total("documents"),
             "max_token_id": max((s["max_token_id"] for s in shards), default=0), "shards": shards}
 
 
-def _recover_swap(out: Path, log):
-    """A run killed during its swap leaves the previous output in .OUT.old-PID: with no OUT (killed between the
-    two renames) it is put back; with the new OUT in place, the swap is finished as it would have been."""
-    for old in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
-        pid = int(old.name.rsplit("-", 1)[1])
-        try:
-            if pid != os.getpid():  # ours: a killed run's PID come round again (in a container every run is PID 1)
-                os.kill(pid, 0)
-                continue  # that run is still going
-        except PermissionError:
-            continue  # another user's live process has that PID: not ours to judge
-        except ProcessLookupError:
-            pass
-        if out.exists():
-            _retire(old, out, log)
-        else:
-            os.rename(old, out)
-            log(f"note: restored {out} from {old}, left by a prepare.py run killed during its final swap")
-
-
-def _retire(old: Path, out: Path, log):
-    """Delete the replaced output `old`, but first move the files a user added to it (not the manifest, its
-    shards or tokenizer.json) into the new output `out`: nothing of theirs is ever deleted."""
-    try:
-        m = read_manifest(old)
-        ours = {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values() for s in split["shards"]}
-    except DataError:  # not a prepare.py output: it was replaced with --overwrite, which asked for exactly that
-        ours = None
-    for p in sorted(old.iterdir()) if ours is not None else []:
-        if p.name not in ours and not (out / p.name).exists():
-            os.rename(p, out / p.name)
-            log(f"note: kept {p.name}, which is not prepare.py's, in {out}")
-    shutil.rmtree(old)
-
-
-def _check_out(out: Path, files, overwrite: bool) -> bool:
-    """Refuse an --out-dir that would lose something; return True when it holds a previous output to replace."""
+def _check_out(out: Path, files, overwrite: bool):
+    """Refuse an --out-dir whose replacement would lose something."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out-dir {out}: expected a directory, found a file")
-    resolved = out.resolve()
     for f in files:
-        if resolved in f.resolve().parents:
-            raise DataError(f"--out-dir {out}: contains the input {f}, and would be replaced; write somewhere else")
-    if not out.exists() or not any(out.iterdir()):
-        return False
+        if out.resolve() in f.resolve().parents:
+            raise DataError(f"--out-dir {out}: contains the input {f}, and would be replaced; "
+                            "write somewhere else")
+    if overwrite or not out.exists() or not any(out.iterdir()):
+        return
     try:
         read_manifest(out)
-        return True
     except DataError:
-        if overwrite:
-            return True
         names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
-        raise DataError(
-            f"--out-dir {out}: expected an empty directory or a previous prepare.py output, found other files "
-            f"({names}...); pick another --out-dir, or pass --overwrite to replace it"
-        ) from None
+        raise DataError(f"--out-dir {out}: expected an empty directory or a previous prepare.py "
+                        f"output, found other files ({names}...); pick another --out-dir, or pass "
+                        "--overwrite to replace it") from None
 
 
-def prepare(files, out, tokenizer="gpt2", shard_tokens=50_000_000, val_fraction=0.0005, workers=None,
-            overwrite=False, eos_token=None, progress=False, log=print, text_field="text") -> dict:
-    """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the manifest.
+def _ours(old: Path) -> set:
+    """What of a replaced output is prepare.py's (the rest is a user's, and is kept)."""
+    try:
+        m = read_manifest(old)
+    except DataError:  # not an earlier output: replaced with --overwrite, which asked for that
+        return {p.name for p in old.iterdir()}
+    shards = {s["file"] for split in m["splits"].values() for s in split["shards"]}
+    return {MANIFEST, "tokenizer.json"} | shards
 
-    All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced only once
-    the new output is complete (see the module doc)."""
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction: expected a fraction in [0, 1), found {val_fraction}")
-    if shard_tokens < 1:
-        raise DataError(f"--shard-tokens: expected a positive number of tokens, found {shard_tokens}")
-    workers = (os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
-        raise DataError(f"--workers: expected at least 1, found {workers}")
-    check_parquet(files, text_field)
+
+def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
+    """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the
+    manifest. `options` are Options' fields.
+
+    All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced
+    only once the new output is complete (see the module doc)."""
+    o = Options(**options)
+    o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
+    o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
+    if not 0 <= o.val_fraction < 1:
+        raise DataError(f"--val-fraction: expected a fraction in [0, 1), found {o.val_fraction}")
+    if o.shard_tokens < 1:
+        raise DataError(f"--shard-tokens: expected a positive number of tokens, found "
+                        f"{o.shard_tokens}")
+    if o.workers < 1:
+        raise DataError(f"--workers: expected at least 1, found {o.workers}")
+    check_parquet(files, o.text_field)
     out = Path(out)
-    if out.is_symlink():  # the swap renames directories: work on the one it points to, and the link stays
+    if out.is_symlink():  # the swap renames directories: write behind it, keep the link
         out = out.resolve()
-    tok, tok_file = tokenizer_from_flag(tokenizer, eos_token)
-    _recover_swap(out, log)
-    replacing = _check_out(out, files, overwrite)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our PID (a container's PID 1, say)
-    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
-        log(f"note: {stale} is left over from an interrupted prepare.py run; delete it to free the space")
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.
-    worker_spec = {**tok.spec, "file": tok_file.name} if tok_file else tok.spec
-    worker_dir = tok_file.parent if tok_file else None
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging.mkdir()
+    tok, tok_file = tokenizer_from_flag(tokenizer, o.eos_token)
+    _check_out(out, files, o.overwrite)
     t0 = time.perf_counter()
     try:
-        f = Fraction(str(val_fraction)).limit_denominator(10**9)
-        stats = _tokenize_into(staging, files, text_field, worker_spec, worker_dir, dtype, shard_tokens, f, workers,
-                               progress)
-        if stats["train"] == []:
-            raise DataError(
-                f"all {stats['documents']} documents went to the validation split, none is left for training: "
-                "give more documents or a smaller --val-fraction (0 for none)"
-            )
-        if tok_file:
-            _write_atomic(staging / "tokenizer.json", tok_file.read_bytes())
-        manifest = {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
-            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec,
-            "splits": {"train": _split_summary(stats["train"]), "val": _split_summary(stats["val"])},
-            "stats": {"input_files": len(files), "documents": stats["documents"],
-                      "empty_documents_skipped": stats["empty"], "undecodable_replaced": stats["undecodable"],
-                      "val_fraction": val_fraction, "shard_tokens": shard_tokens},
-        }
-        _write_atomic(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-        _fsync_dir(staging)
-        if replacing:  # swap: the previous output is removed only once the new one is in place
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            try:
-                os.rename(staging, out)
-            except BaseException:
-                os.rename(old, out)
-                raise
-            _fsync_dir(out.parent)
-            _retire(old, out, log)
-        else:
-            if out.exists():
-                out.rmdir()  # an empty directory
-            os.rename(staging, out)
-            _fsync_dir(out.parent)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError):  # disk full, permissions: say where, and that nothing was lost
-            raise DataError(f"could not write {e.filename or staging} ({e.strerror or e}); free disk space or fix "
-                            f"the permissions, then run again: {out} is unchanged") from None
-        raise
-    seconds = time.perf_counter() - t0
-    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+        m = replace_dir(out, lambda stage: _build(stage, files, tok, tok_file, o, progress), _ours)
+    except OSError as e:  # disk full, permissions: say where, and that nothing was lost
+        raise DataError(f"could not write {e.filename or out} ({e.strerror or e}); free disk space "
+                        f"or fix the permissions, then run again: {out} is unchanged") from None
+    seconds, stats = time.perf_counter() - t0, m["stats"]
+    train, val = m["splits"]["train"], m["splits"]["val"]
     tokens = train["tokens"] + val["tokens"]
     log(f"wrote {tokens:,} tokens ({stats['documents']:,} documents) to {out} in {seconds:.1f}s "
-        f"({tokens / seconds:,.0f} tokens/s, {workers} worker{'s' if workers > 1 else ''}): "
-        f"train {train['tokens']:,} tokens in {len(train['shards'])} shards, val {val['tokens']:,} tokens")
-    if stats["undecodable"] or stats["empty"]:
-        log(f"note: replaced {stats['undecodable']:,} undecodable byte sequences with U+FFFD; "
-            f"skipped {stats['empty']:,} empty documents")
+        f"({tokens / seconds:,.0f} tokens/s, {o.workers} worker{'s' * (o.workers > 1)}): train "
+        f"{train['tokens']:,} tokens in {len(train['shards'])} shards, val {val['tokens']:,} "
+        "tokens")
+    if stats["undecodable_replaced"] or stats["empty_documents_skipped"]:
+        log(f"note: replaced {stats['undecodable_replaced']:,} undecodable byte sequences with "
+            f"U+FFFD; skipped {stats['empty_documents_skipped']:,} empty documents")
+    return m
+
+
+def _build(stage, files, tok, tok_file, o, progress) -> dict:
+    """Write the shards, the tokenizer file if any and, last, the manifest into `stage`."""
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.
+    spec, where = (tok.spec, None)
+    if tok_file:
+        spec, where = {**tok.spec, "file": tok_file.name}, tok_file.parent
+    if o.workers == 1:
+        _init_worker(spec, where)
+        writers, stats = _write_splits(stage, files, dtype, o, None, progress)
+    else:  # the pool starts before the progress bar's thread: forking with threads is unsafe
+        with multiprocessing.get_context().Pool(o.workers, _init_worker, (spec, where)) as pool:
+            writers, stats = _write_splits(stage, files, dtype, o, pool, progress)
+    if not writers["train"].shards:
+        raise DataError(f"all {stats['documents']} documents went to the validation split, none is "
+                        "left for training: give more documents or a smaller --val-fraction (0 for "
+                        "none)")
+    if tok_file:
+        write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
+    splits = {name: _split_summary(w.shards) for name, w in writers.items()}
+    manifest = {
+        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
+        "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec, "splits": splits,
+        "stats": {"input_files": len(files), **stats, "val_fraction": o.val_fraction,
+                  "shard_tokens": o.shard_tokens},
+    }
+    write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 
-def _tokenize_into(directory, files, text_field, worker_spec, worker_dir, dtype, shard_tokens, f, workers, show):
-    if workers == 1:
-        _init_worker(worker_spec, worker_dir)
-        return _write_splits(directory, files, text_field, dtype, shard_tokens, f, None, 1, show)
-    # The pool starts before the progress bar's refresh thread: forking a process that runs threads is unsafe.
-    with multiprocessing.get_context().Pool(workers, _init_worker, (worker_spec, worker_dir)) as pool:
-        return _write_splits(directory, files, text_field, dtype, shard_tokens, f, pool, workers, show)
-
-
-def _write_splits(directory, files, text_field, dtype, shard_tokens, f, pool, workers, show):
-    writers = {s: ShardWriter(directory, s, dtype, shard_tokens) for s in ("train", "val")}
+def _write_splits(stage, files, dtype, o, pool, show):
+    writers = {s: ShardWriter(stage, s, dtype, o.shard_tokens) for s in ("train", "val")}
+    f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = 0
-    columns = [TextColumn("[bold]tokenizing"), BarColumn(), TextColumn("{task.completed}/{task.total} files"),
-               TextColumn("{task.fields[docs]:,} docs"), TextColumn("{task.fields[tokens]:,} tokens"),
+    columns = [TextColumn("[bold]tokenizing"), BarColumn(),
+               TextColumn("{task.completed}/{task.total} files"),
+               TextColumn("{task.fields[docs]:,} docs"),
+               TextColumn("{task.fields[tokens]:,} tokens"),
                TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
     t0 = time.perf_counter()
     with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
-            closing(_encoded(files, dtype, pool, workers, text_field)) as stream:
+            closing(_encoded(files, dtype, pool, o.workers, o.text_field)) as stream:
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
@@ -515,26 +483,26 @@ def _write_splits(directory, files, text_field, dtype, shard_tokens, f, pool, wo
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
             if is_val.any():
-                val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens belong to validation documents
+                val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
                 writers["val"].add(toks[val_tokens], lengths[is_val])
                 writers["train"].add(toks[~val_tokens], lengths[~is_val])
-            else:
+            else:  # most batches: no copy
                 writers["train"].add(toks, lengths)
-            docs += len(lengths)
-            tokens += len(toks)
+            docs, tokens = docs + len(lengths), tokens + len(toks)
             bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
                        rate=tokens / max(time.perf_counter() - t0, 1e-9))
     if docs == 0:
-        raise DataError(f"no documents found: the {len(files)} input files hold only empty documents")
+        raise DataError(f"no documents found: the {len(files)} input files hold only empty "
+                        "documents")
     for w in writers.values():
         w.close()
-    return {"train": writers["train"].shards, "val": writers["val"].shards, "documents": docs, "empty": empty,
-            "undecodable": undecodable}
+    return writers, {"documents": docs, "empty_documents_skipped": empty,
+                     "undecodable_replaced": undecodable}
 
 
 def _is_val(n, f: Fraction):
-    """Document n (from 0) is a validation document when ceil((n + 1) f) > ceil(n f): every prefix of the
-    corpus then holds exactly ceil(prefix * f) validation documents, the first document among them."""
+    """Document n (from 0) is a validation document when ceil((n + 1) f) > ceil(n f): every prefix
+    of the corpus then holds exactly ceil(prefix * f) validation documents, the first among them."""
     p, q = f.numerator, f.denominator
     return -((-(n + 1) * p) // q) > -((-n * p) // q)
 
@@ -544,8 +512,9 @@ def _is_val(n, f: Fraction):
 
 
 def verify(directory) -> list:
-    """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS count)
-    and final EOS against the manifest, the split totals, and the tokenizer file. Returns the problems found."""
+    """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS
+    count) and final EOS against the manifest, the split totals, and the tokenizer file. Returns the
+    problems found."""
     directory = Path(directory)
     try:
         m = read_manifest(directory)
@@ -560,24 +529,32 @@ def verify(directory) -> list:
                 continue
             want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
             if size != want:
-                problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), found {size}")
+                problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} "
+                                f"tokens), found {size}")
                 continue
             sha, top, eos_count, last = _scan_shard(f, dtype, eos)
             if sha != shard["sha256"]:
-                problems.append(f"{f}: sha256 {sha[:16]}... differs from the manifest's {shard['sha256'][:16]}...: "
-                                "the file changed after prepare.py wrote it")
+                problems.append(f"{f}: sha256 {sha[:16]}... differs from the manifest's "
+                                f"{shard['sha256'][:16]}...: the file changed after prepare.py "
+                                "wrote it")
             if top != shard["max_token_id"]:
-                problems.append(f"{f}: max token id {top}, the manifest says {shard['max_token_id']}")
+                problems.append(f"{f}: max token id {top}, the manifest says "
+                                f"{shard['max_token_id']}")
             if top >= m["vocab_size"]:
-                problems.append(f"{f}: token id {top} is outside the vocabulary of {m['vocab_size']}")
+                problems.append(f"{f}: token id {top} is outside the vocabulary of "
+                                f"{m['vocab_size']}")
             if eos_count != shard["documents"]:
-                problems.append(f"{f}: {eos_count} EOS tokens, the manifest says {shard['documents']} documents")
+                problems.append(f"{f}: {eos_count} EOS tokens, the manifest says "
+                                f"{shard['documents']} documents")
             if last != eos:
-                problems.append(f"{f}: ends with token {last}, not EOS {eos}: a document is cut at the shard end")
+                problems.append(f"{f}: ends with token {last}, not EOS {eos}: a document is cut at "
+                                "the shard end")
         if s["documents"] != sum(x["documents"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} document total disagrees with its shards")
+            problems.append(f"{directory / MANIFEST}: split {split} document total disagrees with "
+                            "its shards")
         if s["shards"] and s["max_token_id"] != max(x["max_token_id"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} max_token_id disagrees with its shards")
+            problems.append(f"{directory / MANIFEST}: split {split} max_token_id disagrees with "
+                            "its shards")
     spec = m["tokenizer"]
     if isinstance(spec, dict) and spec.get("name") == "file":
         f = directory / spec.get("file", "tokenizer.json")
@@ -601,7 +578,8 @@ def _scan_shard(path, dtype, eos, chunk=1 << 24):
 
 
 def info(directory, sample_tokens=300):
-    """(manifest, decoded sample of the first training document, or None when the tokenizer cannot load)."""
+    """(manifest, decoded sample of the first training document, or None when the tokenizer cannot
+    load)."""
     m = read_manifest(directory)
     source = open_tokens(directory, "train")
     ids = source.read(0, min(sample_tokens, source.num_tokens)).tolist()
@@ -616,95 +594,84 @@ def info(directory, sample_tokens=300):
 # -----------------------------------------------------------------------------
 # command line: `prepare.py [INPUT ...]`, `prepare.py verify DIR`, `prepare.py info DIR`
 
-console, errors = Console(), Console(stderr=True)
-
-
-def _fail(e):
-    errors.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+console = Console()
 
 
 def main(
-    inputs: Optional[List[Path]] = typer.Argument(
-        None, help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz) and .parquet. None: the demo "
-        "corpus, Python's standard library sources."),
-    out: Optional[Path] = typer.Option(
-        None, "--out-dir", "-o", help=f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."),
-    tokenizer: Optional[str] = typer.Option(
-        None, help="gpt2, byte, or a path to a Hugging Face tokenizer.json "
-        "(default: byte for the demo, gpt2 otherwise)."),
-    shard_tokens: int = typer.Option(50_000_000, help="Most tokens per shard; shards end at document ends (a longer document gets one of its own)."),
-    val_fraction: Optional[float] = typer.Option(
-        None, help="Fraction of documents held out for validation, at least one when > 0 "
-        "(default: 0.01 for the demo, 0.0005 otherwise)."),
-    workers: Optional[int] = typer.Option(None, help="Tokenizer processes (default: all cores)."),
-    eos_token: Optional[str] = typer.Option(
-        None, help=f"The end-of-document token of a tokenizer file, when it is not one of {', '.join(EOS_TOKENS)}."),
-    overwrite: bool = typer.Option(False, help="Replace an --out-dir that holds something other than a previous output."),
-    text_field: str = typer.Option(
-        "text", help="The text column of .parquet files and the text field of .jsonl records."),
+    inputs: Annotated[Optional[List[Path]], typer.Argument(
+        help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz) and .parquet. None: the "
+        "demo corpus, Python's standard library sources.")] = None,
+    out: Annotated[Optional[Path], Option("--out-dir", "-o", help=(
+        f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."))] = None,
+    tokenizer: Annotated[Optional[str], Option(help="gpt2, byte, or a path to a Hugging Face "
+                                               "tokenizer.json (default: byte for the demo, gpt2 "
+                                               "otherwise).")] = None,
+    **options,
 ):
     """Tokenize text into shards + manifest.json for train.py.
 
-    Also: `python prepare.py verify DIR` re-hashes and range-checks every shard (exit 0 only when all is well);
-    `python prepare.py info DIR` prints statistics and a decoded sample.
+    Also `prepare.py verify DIR`: re-hash and range-check every shard (exit 0 when all is well);
+    `prepare.py info DIR`: statistics and a decoded sample.
     """
-    try:
+    with cli_errors(DataError, OSError):
         if inputs:
             if out is None:
-                raise DataError("--out-dir: expected an output directory for your INPUT files (only the demo has one)")
+                raise DataError("--out-dir: expected an output directory for your INPUT files "
+                                "(only the demo has one)")
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
-            console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's standard library")
-        prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), shard_tokens,
-                val_fraction if val_fraction is not None else (0.0005 if inputs else 0.01), workers, overwrite,
-                eos_token, progress=True, log=lambda s: console.print(s, markup=False, highlight=False),
-                text_field=text_field)
-    except (DataError, OSError) as e:
-        _fail(e)
+            console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
+                          "standard library")
+            if options["val_fraction"] is None:
+                options["val_fraction"] = 0.01
+        prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), progress=True,
+                log=lambda s: console.print(s, markup=False, highlight=False), **options)
+
+
+# the flags are main's own three and then Options' fields, written once
+main.__signature__ = inspect.Signature([*list(inspect.signature(main).parameters.values())[:3],
+                                        *inspect.signature(Options).parameters.values()])
 
 
 def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
-    """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only when all is well."""
+    """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only
+    when all is well."""
     problems = verify(directory)
     if problems:
-        errors.print(f"{directory}: {len(problems)} problem{'s' if len(problems) > 1 else ''}", markup=False)
+        errors = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+        errors.print(f"{directory}: {len(problems)} problem{'s' * (len(problems) > 1)}")
         for p in problems:
-            errors.print(f"  - {p}", markup=False, highlight=False, soft_wrap=True)
+            errors.print(f"  - {p}")
         raise typer.Exit(2)
     console.print(f"{directory}: all shards match the manifest", markup=False)
 
 
 def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
     """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
-    try:
+    with cli_errors(DataError):
         m, sample = info(directory)
-    except DataError as e:
-        _fail(e)
     table = Table(title=f"{directory}", title_justify="left")
     for c in ("split", "tokens", "documents", "shards", "max token id"):
         table.add_column(c, justify="left" if c == "split" else "right")
     for name, s in m["splits"].items():
-        table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])), str(s["max_token_id"]))
+        table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])),
+                      str(s["max_token_id"]))
     console.print(table)
-    about = f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, dtype {m['dtype']}"
-    console.print(about, markup=False, highlight=False)
-    console.print(f"stats {m.get('stats', {})}", markup=False, highlight=False)
-    console.print("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)", markup=False)
+    plain = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
+    plain(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
+          f"dtype {m['dtype']}")
+    plain(f"stats {m.get('stats', {})}")
+    plain("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
     if sample is not None:
-        console.print(sample, markup=False, highlight=False)
+        plain(sample)
 
 
 if __name__ == "__main__":
-    # Subcommands are dispatched by hand: a Typer group cannot also take free INPUT paths before them.
+    # Subcommands are dispatched by hand: a Typer group cannot also take free INPUT paths first.
     command = sys.argv[1] if len(sys.argv) > 1 else None
     if command in ("verify", "info"):
         del sys.argv[1]
-        app = typer.Typer(add_completion=False, rich_markup_mode="rich")
-        app.command()(verify_main if command == "verify" else info_main)
-        app(prog_name=f"prepare.py {command}")
-    else:
-        app = typer.Typer(add_completion=False, rich_markup_mode="rich")
-        app.command()(main)
-        app(prog_name="prepare.py")
+    app = typer.Typer(add_completion=False, rich_markup_mode="rich")
+    app.command()({"verify": verify_main, "info": info_main}.get(command, main))
+    app(prog_name=f"prepare.py {command}" if command in ("verify", "info") else "prepare.py")

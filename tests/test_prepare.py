@@ -1,9 +1,11 @@
 """prepare.py end to end: byte, gpt2 and tokenizer-file corpora, shards, splits, hashes, verify, bad input."""
+import fcntl
 import gzip
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,12 @@ GPT2_CACHE_NAME = "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4"  # tiktoken's cache
 
 def quiet(_):
     pass
+
+
+def names(d):
+    """What a directory holds. Beside an output prepare.py leaves only `.NAME.lock`, the file its runs
+    lock (a flock needs a file that stays): no stage, no old output."""
+    return sorted(p.name for p in d.iterdir())
 
 
 def run(inputs, out, tokenizer="byte", **kw):
@@ -319,7 +327,7 @@ def test_bad_parquet_is_a_clear_error_naming_the_file(tmp_path):
     bad.write_bytes(bytes(damaged))
     with pytest.raises(DataError, match=r"bad.parquet: could not read it as Parquet"):
         run([tmp_path / "corpus"], tmp_path / "o", workers=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+    assert names(tmp_path) == [".o.lock", "corpus"]
     # .jsonl records without the --text-field name the line and the field
     with pytest.raises(DataError, match=r'd.jsonl:1: expected a JSON object with a string "body" field'):
         run([tmp_path / "corpus" / "d.jsonl"], tmp_path / "o", text_field="body")
@@ -388,7 +396,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         run([tmp_path / "one"], tmp_path / "o", val_fraction=0.5)
     with pytest.raises(DataError, match="contains the input"):
         run([tmp_path / "corpus"], tmp_path / "corpus", overwrite=True)
-    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".o.*")) == []
+    assert not (tmp_path / "o").exists() and list(tmp_path.glob(".o.*")) == [tmp_path / ".o.lock"]
 
 
 def test_failures_never_touch_existing_output(tmp_path):
@@ -404,7 +412,7 @@ def test_failures_never_touch_existing_output(tmp_path):
     with pytest.raises(DataError, match=r"z.jsonl:2: expected one JSON object per line"):
         run([tmp_path / "corpus"], out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]  # no staging directory left
+    assert names(tmp_path) == [".out.lock", "corpus", "out"]  # no stage left behind
     (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{"text": "\\ud800 lone surrogate"}\n')
     second = run([tmp_path / "corpus"], out, shard_tokens=10_000)
     assert second["splits"]["train"]["tokens"] > first["splits"]["train"]["tokens"]
@@ -430,38 +438,67 @@ def test_cli_errors_are_one_clean_paragraph(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["out", "web[1]"])  # a name that is also a glob pattern matches only itself
-def test_a_kill_between_the_swap_renames_is_recovered_and_user_files_are_kept(tmp_path, name):
+def test_a_kill_mid_swap_is_recovered_by_the_next_run_and_user_files_are_kept(tmp_path, name):
     make_corpus(tmp_path / "corpus")
-    out = tmp_path / name
+    out, old, stage = tmp_path / name, tmp_path / f".{name}.old", tmp_path / f".{name}.stage"
     run([tmp_path / "corpus"], out)
     (out / "NOTES.md").write_text("my notes about this data")
-    # a run killed between its two renames: the previous output sits in .out.old-PID, --out-dir is gone
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    os.rename(out, tmp_path / f".{name}.old-{dead.pid}")
-    notes = []
-    run([tmp_path / "corpus"], out, log=notes.append, shard_tokens=10_000)
-    assert any("restored" in n and f".{name}.old-{dead.pid}" in n for n in notes)
-    assert any("kept NOTES.md" in n for n in notes)
+    # killed between the swap's two renames: the previous output sits in .NAME.old, --out-dir is gone,
+    # and the stage of the killed run is still there
+    os.rename(out, old)
+    stage.mkdir()
+    (stage / "train_00000.bin").write_bytes(b"half a shard")
+    with pytest.warns(UserWarning, match=rf"kept NOTES.md, which is not the tool's own, in .*{re.escape(name)}"):
+        run([tmp_path / "corpus"], out, shard_tokens=10_000)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", name]
+    assert len(read_manifest(out)["splits"]["train"]["shards"]) == 1  # the new output replaced it
+    assert names(tmp_path) == [f".{name}.lock", "corpus", name]
     # killed after the second rename: the new output is in place, the old one (with the notes) beside it
-    shutil.copytree(out, tmp_path / f".{name}.old-{dead.pid}")
+    shutil.copytree(out, old)
     (out / "NOTES.md").unlink()
-    notes = []
-    run([tmp_path / "corpus"], out, log=notes.append)
+    with pytest.warns(UserWarning, match="kept NOTES.md"):
+        run([tmp_path / "corpus"], out)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", name]
+    assert len(read_manifest(out)["splits"]["train"]["shards"]) > 1
+    assert names(tmp_path) == [f".{name}.lock", "corpus", name]
 
 
-def test_a_staging_directory_left_by_a_killed_run_with_our_pid_is_replaced(tmp_path):
-    # in a container every run can be PID 1: a run killed mid-way leaves .out.partial-1 to the next one
+def test_a_stage_left_by_a_killed_run_is_removed(tmp_path):
     make_corpus(tmp_path / "corpus")
-    stale = tmp_path / f".out.partial-{os.getpid()}"
+    stale = tmp_path / ".out.stage"
     stale.mkdir()
-    (stale / "train_00000.bin.tmp").write_bytes(b"half a shard")
+    (stale / "train_00000.bin").write_bytes(b"half a shard")
+    (stale / "manifest.json").write_text("{}")
     run([tmp_path / "corpus"], tmp_path / "out")
-    assert verify(tmp_path / "out") == [] and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    assert verify(tmp_path / "out") == [] and names(tmp_path) == [".out.lock", "corpus", "out"]
+
+
+def test_a_swap_interrupted_and_then_a_failed_run_still_leave_the_old_output(tmp_path):
+    # the next run after a kill mid-swap puts the old output back first, so its own failure loses nothing
+    make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    run([tmp_path / "corpus"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    os.rename(out, tmp_path / ".out.old")
+    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    with pytest.raises(DataError, match=r"z.jsonl:2: expected one JSON object per line"):
+        run([tmp_path / "corpus"], out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert names(tmp_path) == [".out.lock", "corpus", "out"]
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused_while_the_first_holds_the_lock(tmp_path):
+    make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    run([tmp_path / "corpus"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with open(tmp_path / ".out.lock", "a") as held:  # as a running prepare.py holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DataError, match="out is being written by another process"):
+            run([tmp_path / "corpus"], out, shard_tokens=10_000)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    run([tmp_path / "corpus"], out, shard_tokens=10_000)  # released: the next run goes ahead
+    assert len(read_manifest(out)["splits"]["train"]["shards"]) == 1
 
 
 def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
@@ -471,30 +508,7 @@ def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
     run([tmp_path / "corpus"], tmp_path / "link", shard_tokens=10_000)
     assert (tmp_path / "link").is_symlink() and verify(tmp_path / "link") == []
     assert len(read_manifest(tmp_path / "real")["splits"]["train"]["shards"]) == 1  # the new output, in real/
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "link", "real"]
-
-
-def test_a_swap_left_under_our_own_pid_is_recovered(tmp_path):
-    # in a container every run can be PID 1: a run killed between its renames left .out.old-1 to the next one
-    make_corpus(tmp_path / "corpus")
-    run([tmp_path / "corpus"], tmp_path / "out")
-    os.rename(tmp_path / "out", tmp_path / f".out.old-{os.getpid()}")
-    notes = []
-    run([tmp_path / "corpus"], tmp_path / "out", log=notes.append)
-    assert any("restored" in n for n in notes) and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
-
-
-def test_a_swap_left_under_a_pid_of_another_user_is_left_alone(tmp_path, monkeypatch):
-    # os.kill(pid, 0) on another user's process raises PermissionError: a live process, so not ours to recover
-    make_corpus(tmp_path / "corpus")
-    run([tmp_path / "corpus"], tmp_path / "out")
-    os.rename(tmp_path / "out", tmp_path / ".out.old-1")
-
-    def kill(pid, sig):
-        raise PermissionError(1, "Operation not permitted")
-    monkeypatch.setattr(os, "kill", kill)
-    run([tmp_path / "corpus"], tmp_path / "out")
-    assert verify(tmp_path / "out") == [] and verify(tmp_path / ".out.old-1") == []
+    assert names(tmp_path) == [".real.lock", "corpus", "link", "real"]
 
 
 def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch):
@@ -506,8 +520,8 @@ def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch
     def disk_full(path, data):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(prepare, "_write_atomic", disk_full)
+    monkeypatch.setattr(prepare, "write_atomic", disk_full)
     with pytest.raises(DataError, match=r"could not write .*manifest.json \(No space left on device\).* is unchanged"):
         run([tmp_path / "corpus"], out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+    assert names(tmp_path) == [".out.lock", "corpus", "out"]
