@@ -16,19 +16,22 @@ L = 7  # a small seq_len makes many windows out of small files
 # writing every source kind by hand, from the formats' specs (data.py's docstrings)
 
 
-def write_manifest_dir(d, splits_tokens, dtype="uint16", vocab_size=60000, eos_id=0, shard_sizes=(100, 37, 250)):
-    """A prepare.py-style directory; each split's stream cut into shards of the given sizes (cycled)."""
+def write_manifest_dir(d, splits_tokens, dtype="uint16", vocab_size=60000, eos_id=0,
+                       shard_sizes=(100, 37, 250)):
+    """A prepare.py-style directory; each split's stream cut into shards of the given sizes
+    (cycled)."""
     d.mkdir(parents=True, exist_ok=True)
     manifest = {"format": data.MANIFEST_FORMAT, "version": data.MANIFEST_VERSION, "dtype": dtype,
-                "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": {"name": "byte"}, "splits": {}}
+                "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": {"name": "byte"},
+                "splits": {}}
     for split, stream in splits_tokens.items():
         shards, i, k = [], 0, 0
         while i < len(stream):
             part = np.asarray(stream[i : i + shard_sizes[k % len(shard_sizes)]], dtype=dtype)
             name = f"{split}_{k:05d}.bin"
             part.tofile(d / name)
-            shards.append({"file": name, "tokens": len(part), "documents": 1, "max_token_id": int(part.max()),
-                           "sha256": "not checked by data.py"})
+            shards.append({"file": name, "tokens": len(part), "documents": 1,
+                           "max_token_id": int(part.max()), "sha256": "not checked by data.py"})
             i, k = i + len(part), k + 1
         manifest["splits"][split] = {"tokens": len(stream), "documents": len(shards),
                                      "max_token_id": int(max(stream)), "shards": shards}
@@ -40,13 +43,16 @@ MEGATRON_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5
 
 
 def write_megatron(prefix, sequences, dtype, docs=None):
-    """PREFIX.bin + PREFIX.idx as Megatron-LM writes them: header, int32 lengths, int64 byte pointers, int64 doc starts."""
+    """PREFIX.bin + PREFIX.idx as Megatron-LM writes them: header, int32 lengths, int64 byte
+    pointers, int64 doc starts."""
     dtype = np.dtype(dtype)
     lengths = np.array([len(s) for s in sequences], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * dtype.itemsize
-    docs = np.arange(len(sequences) + 1, dtype=np.int64) if docs is None else np.asarray(docs, np.int64)
+    docs = np.arange(len(sequences) + 1) if docs is None else np.asarray(docs)
+    docs = docs.astype(np.int64)
     with open(str(prefix) + ".idx", "wb") as f:
-        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, MEGATRON_CODES[dtype.type], len(sequences), len(docs)))
+        header = struct.pack("<QBQQ", 1, MEGATRON_CODES[dtype.type], len(sequences), len(docs))
+        f.write(b"MMIDIDX\x00\x00" + header)
         f.write(lengths.tobytes() + pointers.tobytes() + docs.tobytes())
     np.concatenate([np.asarray(s, dtype) for s in sequences]).tofile(str(prefix) + ".bin")
     return prefix
@@ -89,7 +95,8 @@ def make_source(kind, tmp_path, n=500):
     raise ValueError(kind)
 
 
-KINDS = ["manifest", "raw", "raw_uint32", "nanogpt_dir", "shard_dir", "megatron_uint16", "megatron_int32"]
+KINDS = ["manifest", "raw", "raw_uint32", "nanogpt_dir", "shard_dir", "megatron_uint16",
+         "megatron_int32"]
 
 
 def window_index(stream):
@@ -147,7 +154,8 @@ def test_raw_dtype_and_split_rules(tmp_path):
     s.astype(np.uint16).tofile(tmp_path / "train.bin")
     assert open_tokens(tmp_path / "train.bin").dtype == np.uint16
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
-    with pytest.raises(DataError, match=r"odd.bin: expected a whole number of uint32 tokens.*found 3 bytes"):
+    with pytest.raises(DataError, match=r"odd.bin: expected a whole number of uint32 tokens.*found "
+                                        r"3 bytes"):
         open_tokens(tmp_path / "odd.bin", dtype="uint32")
     with pytest.raises(NoSplit, match="one token stream"):
         open_tokens(tmp_path / "train.bin", split="val")
@@ -206,10 +214,12 @@ def test_manifest_errors(tmp_path):
     with pytest.raises(DataError, match=r"expected format 'mamba3-lite-tokens', found 'other'"):
         open_tokens(d)
     m = json.loads((write_manifest_dir(tmp_path / "n", {"train": s}) / "manifest.json").read_text())
-    for bad in ({**m, "splits": []}, {**m, "splits": {"train": {**m["splits"]["train"], "shards": None}}},
-                {**m, "splits": {"train": {**m["splits"]["train"], "shards": [{**m["splits"]["train"]["shards"][0],
-                                                                               "tokens": "100"}]}}}):
-        (d / "manifest.json").write_text(json.dumps(bad))  # hand-edited: the right keys, the wrong layout
+    train = m["splits"]["train"]
+    for bad in ({**m, "splits": []}, {**m, "splits": {"train": {**train, "shards": None}}},
+                {**m, "splits": {"train": {**train, "shards": [{**train["shards"][0],
+                                                                "tokens": "100"}]}}}):
+        # hand-edited: the right keys, the wrong layout
+        (d / "manifest.json").write_text(json.dumps(bad))
         with pytest.raises(DataError, match=r"manifest.json: expected splits of shard entries"):
             open_tokens(d)
 
@@ -217,7 +227,8 @@ def test_manifest_errors(tmp_path):
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_megatron_reads_back_exactly(dtype, tmp_path):
     rng = np.random.default_rng(7)
-    seqs = [rng.integers(0, 30000, rng.integers(0, 50)) for _ in range(300)]  # many documents, some empty
+    # many documents, some empty
+    seqs = [rng.integers(0, 30000, rng.integers(0, 50)) for _ in range(300)]
     docs = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 300), 99, replace=False)), [300]])
     source = open_tokens(write_megatron(tmp_path / "ds", seqs, dtype, docs))
     assert source.dtype == np.dtype(dtype)
@@ -296,7 +307,8 @@ def test_check_vocab(tmp_path):
     d = write_manifest_dir(tmp_path / "m", {"train": s}, vocab_size=60000)
     source = open_tokens(d)
     check_vocab(source, int(s.max()) + 1)  # exactly fits
-    with pytest.raises(DataError, match=rf"m: expected token ids in \[0, {int(s.max())}\).*found {int(s.max())}"):
+    top = int(s.max())
+    with pytest.raises(DataError, match=rf"m: expected token ids in \[0, {top}\).*found {top}"):
         check_vocab(source, int(s.max()))
     # A raw source has no manifest: its max comes from a scan of the files.
     np.array([3, 9, 4000, 2], np.uint16).tofile(tmp_path / "r.bin")
@@ -319,13 +331,16 @@ def windows_of(batches_list, index):
 
 
 def test_a_changed_shard_is_caught_past_4g_tokens(tmp_path):
-    # Batches passes uint32 window ids; the file a window starts in must be found without wrapping at 2**32
+    # Batches passes uint32 window ids; the file a window starts in must be found without wrapping
+    # at 2**32
     with open(tmp_path / "a.bin", "wb") as f:
         f.truncate(1 << 32)  # 2**32 uint8 zeros, a sparse file: no disk used
-    np.array([1, 2, 3, 200, 5], np.uint8).tofile(tmp_path / "b.bin")  # 200: edited after the manifest said max 9
-    source = data.TokenSource(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], np.uint8, max_token_id=9)
+    # 200: edited after the manifest said max 9
+    np.array([1, 2, 3, 200, 5], np.uint8).tofile(tmp_path / "b.bin")
+    source = data.TokenSource(tmp_path, [tmp_path / "a.bin", tmp_path / "b.bin"], np.uint8,
+                              max_token_id=9)
     check_vocab(source, 100)
-    source.unchecked.discard(0)  # as if a.bin were checked already: scanning 4 GiB would take seconds
+    source.unchecked.discard(0)  # as if a.bin were checked already: a 4 GiB scan takes seconds
     with pytest.raises(DataError, match=r"b.bin: token id 200 at token offset 3"):
         source.windows(np.array([(1 << 32) // 4], np.uint32), 4)
 
@@ -333,7 +348,9 @@ def test_a_changed_shard_is_caught_past_4g_tokens(tmp_path):
 def test_order_is_a_function_of_seed_and_epoch(tmp_path):
     source, s = make_source("raw", tmp_path, n=300)
     W, index = (len(s) - 1) // L, window_index(s)
-    run = lambda seed: windows_of(take(Batches(source, L, 1, 1, seed=seed), 3 * W), index)  # noqa: E731
+    def run(seed):
+        return windows_of(take(Batches(source, L, 1, 1, seed=seed), 3 * W), index)
+
     a = run(0)
     assert a == run(0)
     epochs = [a[e * W : (e + 1) * W] for e in range(3)]
@@ -347,13 +364,15 @@ def test_one_step_sees_the_same_samples_for_any_world_size_and_micro_batch(tmp_p
     index, G = window_index(s), 8
 
     def step_windows(world_size, micro_batch, steps=4):
-        ranks = [Batches(source, L, micro_batch, G, rank=r, world_size=world_size, seed=5) for r in range(world_size)]
+        ranks = [Batches(source, L, micro_batch, G, rank=r, world_size=world_size, seed=5)
+                 for r in range(world_size)]
         accum = G // (micro_batch * world_size)
         assert ranks[0].accum_steps == accum
         out = []
         for _ in range(steps):
             # in global-sample order: micro-step m, then rank r
-            out.append([w for _ in range(accum) for b in ranks for w in windows_of([next(b)], index)])
+            out.append([w for _ in range(accum) for b in ranks
+                        for w in windows_of([next(b)], index)])
         return out
 
     reference = step_windows(1, 8)
@@ -363,7 +382,8 @@ def test_one_step_sees_the_same_samples_for_any_world_size_and_micro_batch(tmp_p
 
 def test_indivisible_global_batch_is_refused(tmp_path):
     source, _ = make_source("raw", tmp_path)
-    with pytest.raises(DataError, match=r"global batch 10 sequences is not a multiple of micro_batch 2 x world_size 4"):
+    with pytest.raises(DataError, match=r"global batch 10 sequences is not a multiple of "
+                                        r"micro_batch 2 x world_size 4"):
         Batches(source, L, micro_batch=2, global_batch=10, world_size=4)
     with pytest.raises(DataError, match="rank"):
         Batches(source, L, 1, 4, rank=4, world_size=4)
@@ -389,7 +409,7 @@ def test_mid_epoch_resume_continues_identically(prefetch, tmp_path):
     second.close()
     assert got == reference
 
-    # Elastic: resume the same state on 2 ranks with micro batch 1 (accum 3); each step's samples match.
+    # Elastic: resume the same state on 2 ranks with micro batch 1 (accum 3): the same samples.
     ranks = [Batches(source, L, 1, G, rank=r, world_size=2, seed=9) for r in range(2)]
     for b in ranks:
         b.load_state_dict(state)
@@ -407,7 +427,8 @@ def test_state_mismatch_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="seed = 1, but this run has seed = 2"):
         Batches(source, L, 2, 4, seed=2).load_state_dict(state)
     with pytest.raises(DataError, match="not a whole number of micro_batch x world_size = 4"):
-        Batches(source, L, 4, 4, seed=1).load_state_dict(state)  # saved mid-step (3 micro-batches of 2)
+        # saved mid-step (3 micro-batches of 2)
+        Batches(source, L, 4, 4, seed=1).load_state_dict(state)
 
 
 def test_prefetch_state_is_what_the_consumer_took(tmp_path):
@@ -425,11 +446,13 @@ def test_prefetch_state_is_what_the_consumer_took(tmp_path):
 # blending
 
 
-# The last weights defeat the simpler rule "largest deficit first", which strays more than one sample.
-@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 2], [0.61, 0.13, 0.2, 0.06], [0.01, 0.7, 0.03, 0.03, 0.79]])
+# The last weights defeat the simpler rule "largest deficit first", which strays more than one
+# sample.
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 2], [0.61, 0.13, 0.2, 0.06],
+                                     [0.01, 0.7, 0.03, 0.03, 0.79]])
 def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
     sources = []
-    for k in range(len(weights)):  # disjoint token ranges: a sample's tokens say which source it came from
+    for k in range(len(weights)):  # disjoint token ranges: a sample's tokens name its source
         (np.arange(100 + 13 * k) + 1000 * k).astype(np.uint16).tofile(tmp_path / f"{k}.bin")
         sources.append(open_tokens(tmp_path / f"{k}.bin"))
     b = Batches(sources, L, 1, 1, weights=weights, seed=2)
@@ -484,7 +507,8 @@ def test_val_batches_are_the_first_windows_fixed_and_split_over_ranks(tmp_path):
     one = [(x.clone(), y.clone()) for x, y in val_batches(source, L, 4, 5)]
     assert len(one) == 5
     x_all = torch.cat([x for x, _ in one])
-    np.testing.assert_array_equal(x_all.numpy(), np.stack([s[i * L : i * L + L] for i in range(20)]))
+    np.testing.assert_array_equal(x_all.numpy(),
+                                  np.stack([s[i * L : i * L + L] for i in range(20)]))
     again = list(val_batches(source, L, 4, 5))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, again))
     for ws in (2, 3):
@@ -506,7 +530,8 @@ def test_val_batches_are_the_first_windows_fixed_and_split_over_ranks(tmp_path):
 def test_cuda_batches_equal_cpu_batches(tmp_path):
     source, _ = make_source("raw", tmp_path)
     for prefetch in (False, True):
-        gpu, cpu = Batches(source, L, 4, 8, device="cuda", prefetch=prefetch), Batches(source, L, 4, 8)
+        gpu = Batches(source, L, 4, 8, device="cuda", prefetch=prefetch)
+        cpu = Batches(source, L, 4, 8)
         for _ in range(5):
             (xg, yg), (xc, yc) = next(gpu), next(cpu)
             assert xg.is_cuda and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc)

@@ -1,4 +1,5 @@
-"""prepare.py end to end: byte, gpt2 and tokenizer-file corpora, shards, splits, hashes, verify, bad input."""
+"""prepare.py end to end: byte, gpt2 and tokenizer-file corpora, shards, splits, hashes, verify, bad
+input, kills."""
 import fcntl
 import gzip
 import hashlib
@@ -29,8 +30,8 @@ def quiet(_):
 
 
 def names(d):
-    """What a directory holds. Beside an output prepare.py leaves only `.NAME.lock`, the file its runs
-    lock (a flock needs a file that stays): no stage, no old output."""
+    """What a directory holds. Beside an output prepare.py leaves only `.NAME.lock`, the file its
+    runs lock (a flock needs a file that stays): no stage, no old output."""
     return sorted(p.name for p in d.iterdir())
 
 
@@ -55,10 +56,11 @@ def gpt2(tmp_path_factory, monkeypatch):
 
 
 def make_corpus(root: Path):
-    """Write a small corpus of every input kind; return its documents in the documented order (files sorted
-    by path inside the directory; jsonl lines in order; empty documents skipped)."""
+    """Write a small corpus of every input kind; return its documents in the documented order
+    (files sorted by path inside the directory; jsonl lines in order; empty documents skipped)."""
     rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "é", "漢字", "🙂", "def", "return", "\n", "  ", "<|endoftext|>"]
+    words = ["alpha", "beta", "gamma", "é", "漢字", "🙂", "def", "return", "\n", "  ",
+             "<|endoftext|>"]
     sentence = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
     files = {
         "a.txt": "Hello world.\n" + sentence(40),
@@ -71,13 +73,15 @@ def make_corpus(root: Path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text, encoding="utf-8")
     lines = [sentence(int(rng.integers(1, 60))) for _ in range(40)]
-    (root / "d.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(lines)) + "\n\n")
+    records = (json.dumps({"text": t, "id": i}) for i, t in enumerate(lines))
+    (root / "d.jsonl").write_text("\n".join(records) + "\n\n")
     docs_by_file["d.jsonl"] = lines
     gz = [sentence(int(rng.integers(1, 30))) for _ in range(25)]
     with gzip.open(root / "e.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write("\n".join(json.dumps({"text": t}) for t in gz))
     docs_by_file["e.jsonl.gz"] = gz
-    (root / "latin1.txt").write_bytes("café crème, naïve\n".encode("latin-1"))  # 3 undecodable bytes
+    # 3 undecodable bytes
+    (root / "latin1.txt").write_bytes("café crème, naïve\n".encode("latin-1"))
     docs_by_file["latin1.txt"] = ["caf\ufffd cr\ufffdme, na\ufffdve\n"]
     (root / "ignored.csv").write_text("not,a,document\n")
     (root / ".hidden").mkdir()
@@ -98,7 +102,8 @@ def read_split(out, manifest, split):
 
 
 def check_output(out, manifest, expected_docs, fraction, shard_tokens):
-    """Every promise of prepare.py about `out`, against the expected per-document token lists (EOS included)."""
+    """Every promise of prepare.py about `out`, against the expected per-document token lists (EOS
+    included)."""
     eos = manifest["eos_id"]
     for split in ("train", "val"):
         want = [d for n, d in enumerate(expected_docs) if is_val(n, fraction) == (split == "val")]
@@ -123,14 +128,17 @@ def check_output(out, manifest, expected_docs, fraction, shard_tokens):
 
 def test_byte_corpus_end_to_end(tmp_path):
     docs = make_corpus(tmp_path / "corpus")
-    manifest = run([tmp_path / "corpus"], tmp_path / "out", "byte", shard_tokens=200, val_fraction=0.1)
+    manifest = run([tmp_path / "corpus"], tmp_path / "out", "byte", shard_tokens=200,
+                   val_fraction=0.1)
     assert (manifest["dtype"], manifest["vocab_size"], manifest["eos_id"]) == ("uint16", 257, 256)
     assert manifest["tokenizer"] == {"name": "byte"}
     expected = [np.array(list(d.encode("utf-8")) + [256]) for d in docs]
     check_output(tmp_path / "out", manifest, expected, 0.1, 200)
     assert len(manifest["splits"]["train"]["shards"]) > 3
-    assert manifest["stats"]["undecodable_replaced"] == 3 and manifest["stats"]["empty_documents_skipped"] == 1
-    run([tmp_path / "corpus"], tmp_path / "out2", "byte", shard_tokens=200, val_fraction=0.1, workers=2)
+    stats = manifest["stats"]
+    assert stats["undecodable_replaced"] == 3 and stats["empty_documents_skipped"] == 1
+    run([tmp_path / "corpus"], tmp_path / "out2", "byte", shard_tokens=200, val_fraction=0.1,
+        workers=2)
     for f in (tmp_path / "out").iterdir():  # byte-identical with 2 workers
         assert f.read_bytes() == (tmp_path / "out2" / f.name).read_bytes(), f.name
     # what data.py reads is the same stream
@@ -145,9 +153,11 @@ def test_gpt2_corpus_equals_direct_tiktoken_and_any_worker_count(gpt2, tmp_path)
     outs = {}
     for workers in (1, 2):
         out = tmp_path / f"out{workers}"
-        manifest = run([tmp_path / "corpus"], out, "gpt2", shard_tokens=150, val_fraction=0.05, workers=workers)
+        manifest = run([tmp_path / "corpus"], out, "gpt2", shard_tokens=150, val_fraction=0.05,
+                       workers=workers)
         outs[workers] = out
-    assert (manifest["vocab_size"], manifest["eos_id"], manifest["tokenizer"]) == (50257, 50256, {"name": "gpt2"})
+    assert (manifest["vocab_size"], manifest["eos_id"]) == (50257, 50256)
+    assert manifest["tokenizer"] == {"name": "gpt2"}
     expected = [np.array(gpt2.encode_ordinary(d) + [50256]) for d in docs]
     assert all(50256 not in e[:-1] for e in expected)  # "<|endoftext|>" in a text is plain text
     check_output(outs[2], manifest, expected, 0.05, 150)
@@ -165,15 +175,16 @@ def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
     t = tokenizers.Tokenizer(tokenizers.models.BPE())
     t.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+                                             initial_alphabet=alphabet)
     t.train_from_iterator(docs, trainer)
     path = tmp_path / "my-bpe.json"
     t.save(str(path))
     manifest = run([tmp_path / "corpus"], tmp_path / "out", str(path), val_fraction=0.1)
     spec = manifest["tokenizer"]
-    assert spec == {"name": "file", "file": "tokenizer.json", "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                    "eos_token": "<|endoftext|>"}
+    assert spec == {"name": "file", "file": "tokenizer.json", "eos_token": "<|endoftext|>",
+                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == path.read_bytes()
     tok = load_tokenizer(spec, tmp_path / "out")  # what sample.py does with a checkpoint's spec
     eos = t.token_to_id("<|endoftext|>")
@@ -191,7 +202,8 @@ def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
 def test_tokenizer_specs_round_trip():
     byte = load_tokenizer({"name": "byte"})
     text = "naïve <|endoftext|> 🙂"
-    assert byte.encode(text) == list(text.encode()) and byte.decode(byte.encode(text) + [256]) == text + "<|endoftext|>"
+    assert byte.encode(text) == list(text.encode())
+    assert byte.decode(byte.encode(text) + [256]) == text + "<|endoftext|>"
     with pytest.raises(DataError, match="byte, gpt2 or file"):
         load_tokenizer({"name": "sentencepiece"})
     with pytest.raises(DataError, match="tokenizer file missing"):
@@ -203,7 +215,8 @@ def test_demo_corpus_builds(tmp_path):
     root = Path(json.__file__).parent
     files = demo_inputs(root)
     assert [f.name for f in files] == sorted(f.name for f in root.glob("*.py"))
-    manifest = prepare.prepare(files, tmp_path / "demo", "byte", val_fraction=0.01, workers=2, log=quiet)
+    manifest = prepare.prepare(files, tmp_path / "demo", "byte", val_fraction=0.01, workers=2,
+                               log=quiet)
     expected = [np.array(list(f.read_bytes()) + [256]) for f in files]
     check_output(tmp_path / "demo", manifest, expected, 0.01, 50_000_000)
     x, y = next(Batches(open_tokens(tmp_path / "demo"), 64, 4, 4))
@@ -213,14 +226,16 @@ def test_demo_corpus_builds(tmp_path):
 @pytest.mark.slow
 def test_demo_cli_builds_the_full_stdlib_corpus(tmp_path):
     # The quickstart's first command, as a user runs it: no INPUT, output in ./data/demo.
-    r = subprocess.run([sys.executable, str(ROOT / "prepare.py")], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py")], cwd=tmp_path,
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "data" / "demo"
     m = json.loads((out / "manifest.json").read_text())
     assert m["tokenizer"] == {"name": "byte"} and m["splits"]["train"]["tokens"] > 1_000_000
     assert m["stats"]["input_files"] == len(demo_inputs())
     assert m["splits"]["val"]["documents"] == math.ceil(m["stats"]["documents"] * 0.01)
-    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "info", str(out)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "info", str(out)],
+                       capture_output=True, text=True)
     assert r.returncode == 0 and "train" in r.stdout and "sample:" in r.stdout, r.stderr
 
 
@@ -237,7 +252,8 @@ def write_parquet(path, columns, row_group_size, **kw):
 
 
 def parquet_texts():
-    """Documents with a null and an empty text among them; the jsonl equivalent has "" for the null."""
+    """Documents with a null and an empty text among them; the jsonl equivalent has "" for the
+    null."""
     rng = np.random.default_rng(1)
     words = ["alpha", "beta", "é", "漢字", "🙂", "\n", "<|endoftext|>"]
     texts = [" ".join(rng.choice(words, int(rng.integers(1, 40)))) for _ in range(30)]
@@ -246,34 +262,40 @@ def parquet_texts():
 
 
 def test_parquet_equals_jsonl_and_any_worker_count(tmp_path, monkeypatch):
-    # Small batches and row slices, so that a run spans many worker tasks and several slices per row group.
+    # Small batches and row slices, so that a run spans many worker tasks and several slices per row
+    # group.
     monkeypatch.setattr(prepare, "BATCH_BYTES", 150)
     monkeypatch.setattr(prepare, "PARQUET_ROWS", 4)
     texts = parquet_texts()
     (tmp_path / "pq").mkdir()
-    assert write_parquet(tmp_path / "pq" / "a.parquet", {"id": list(range(30)), "text": texts}, 7) == 5
+    columns = {"id": list(range(30)), "text": texts}
+    assert write_parquet(tmp_path / "pq" / "a.parquet", columns, 7) == 5
     write_parquet(tmp_path / "pq" / "b.parquet", {"text": ["the second file"]}, 7)
     (tmp_path / "js").mkdir()
-    (tmp_path / "js" / "a.jsonl").write_text("".join(json.dumps({"text": t or ""}) + "\n" for t in texts))
+    lines = "".join(json.dumps({"text": t or ""}) + "\n" for t in texts)
+    (tmp_path / "js" / "a.jsonl").write_text(lines)
     (tmp_path / "js" / "b.jsonl").write_text(json.dumps({"text": "the second file"}) + "\n")
     outs = {}
     for name, src, workers in (("pq1", "pq", 1), ("pq2", "pq", 2), ("js-out", "js", 1)):
         outs[name] = tmp_path / name
-        manifest = run([tmp_path / src], outs[name], shard_tokens=100, val_fraction=0.1, workers=workers)
+        manifest = run([tmp_path / src], outs[name], shard_tokens=100, val_fraction=0.1,
+                       workers=workers)
         assert manifest["stats"]["empty_documents_skipped"] == 2  # the null and the empty text
     docs = [t for t in texts if t] + ["the second file"]
-    check_output(outs["pq1"], manifest, [np.array(list(d.encode()) + [256]) for d in docs], 0.1, 100)
+    expected = [np.array(list(d.encode()) + [256]) for d in docs]
+    check_output(outs["pq1"], manifest, expected, 0.1, 100)
     names = sorted(p.name for p in outs["pq1"].iterdir())
     assert len([n for n in names if n.startswith("train_")]) > 3
-    for other in ("pq2", "js-out"):  # byte-identical for 2 workers, and to the same documents given as .jsonl
+    # byte-identical for 2 workers, and to the same documents given as .jsonl
+    for other in ("pq2", "js-out"):
         assert sorted(p.name for p in outs[other].iterdir()) == names
         for n in names:
             assert (outs["pq1"] / n).read_bytes() == (outs[other] / n).read_bytes(), (other, n)
 
 
 def test_parquet_is_read_in_bounded_memory(tmp_path):
-    # Arrow's own allocation count (deterministic, unlike the process's RSS) while streaming a 16 MB file of
-    # 32 row groups stays at a few row groups' worth, however many the file holds.
+    # Arrow's own allocation count (deterministic, unlike the process's RSS) while streaming a 16 MB
+    # file of 32 row groups stays at a few row groups' worth, however many the file holds.
     import pyarrow as pa
 
     path = tmp_path / "big.parquet"
@@ -289,19 +311,24 @@ def test_text_field_picks_the_parquet_column_and_the_jsonl_field(tmp_path):
     texts = [t or "" for t in parquet_texts()]
     (tmp_path / "in").mkdir()
     write_parquet(tmp_path / "in" / "a.parquet", {"text": list(range(30)), "content": texts}, 8)
-    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps({"text": 1, "content": t}) + "\n" for t in texts))
+    lines = "".join(json.dumps({"text": 1, "content": t}) + "\n" for t in texts)
+    (tmp_path / "in" / "b.jsonl").write_text(lines)
     (tmp_path / "ref").mkdir()
-    (tmp_path / "ref" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts + texts))
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts + texts)
+    (tmp_path / "ref" / "a.jsonl").write_text(lines)
     ref = run([tmp_path / "ref"], tmp_path / "ref-out")
     cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "in"), "--tokenizer", "byte",
            "--shard-tokens", "200", "--val-fraction", "0.1", "--workers", "1", "--out-dir"]
-    r = subprocess.run(cli + [str(tmp_path / "out"), "--text-field", "content"], capture_output=True, text=True)
+    r = subprocess.run(cli + [str(tmp_path / "out"), "--text-field", "content"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"] == ref["splits"]
-    # The default field is "text": here an integer column, refused before any work, with the way out named.
+    # The default field is "text": here an integer column, refused before any work, with the way out
+    # named.
     r = subprocess.run(cli + [str(tmp_path / "out2")], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and not (tmp_path / "out2").exists()
-    assert r.stderr.startswith(f"error: {tmp_path / 'in' / 'a.parquet'}: expected column 'text' to hold text")
+    parquet = tmp_path / "in" / "a.parquet"
+    assert r.stderr.startswith(f"error: {parquet}: expected column 'text' to hold text")
     assert "found int64" in r.stderr and "--text-field" in r.stderr
 
 
@@ -309,18 +336,21 @@ def test_bad_parquet_is_a_clear_error_naming_the_file(tmp_path):
     make_corpus(tmp_path / "corpus")
     bad = tmp_path / "corpus" / "bad.parquet"
     bad.write_text('{"text": "a jsonl file under the wrong name"}\n')
-    with pytest.raises(DataError, match=r"bad.parquet: expected a Parquet file, found one pyarrow cannot read"):
+    with pytest.raises(DataError, match=r"bad.parquet: expected a Parquet file, found one pyarrow "
+                                        r"cannot read"):
         run([tmp_path / "corpus"], tmp_path / "o")
     write_parquet(bad, {"url": ["u"], "body": ["b"]}, 1)
-    with pytest.raises(DataError, match=r"bad.parquet: expected a column 'text' \(--text-field\), found the "
-                                        r"columns 'url', 'body'"):
+    with pytest.raises(DataError, match=r"bad.parquet: expected a column 'text' \(--text-field\), "
+                                        r"found the columns 'url', 'body'"):
         run([tmp_path / "corpus"], tmp_path / "o")
     with pytest.raises(DataError, match=r"bad.parquet: expected a column 'content'"):
         run([tmp_path / "corpus"], tmp_path / "o", text_field="content")
     write_parquet(bad, {"text": [b"raw bytes"]}, 1)
-    with pytest.raises(DataError, match=r"bad.parquet: expected column 'text' to hold text .* found binary"):
+    with pytest.raises(DataError, match=r"bad.parquet: expected column 'text' to hold text .* "
+                                        r"found binary"):
         run([tmp_path / "corpus"], tmp_path / "o")
-    # A damaged page (the footer intact) is found while reading: the run fails and leaves nothing behind.
+    # A damaged page (the footer intact) is found while reading: the run fails and leaves nothing
+    # behind but the lock file.
     write_parquet(bad, {"text": [f"document {i}" for i in range(100)]}, 30)
     damaged = bytearray(bad.read_bytes())
     damaged[4:20] = b"\xff" * 16  # the first page header, just after the leading magic bytes
@@ -329,7 +359,8 @@ def test_bad_parquet_is_a_clear_error_naming_the_file(tmp_path):
         run([tmp_path / "corpus"], tmp_path / "o", workers=2)
     assert names(tmp_path) == [".o.lock", "corpus"]
     # .jsonl records without the --text-field name the line and the field
-    with pytest.raises(DataError, match=r'd.jsonl:1: expected a JSON object with a string "body" field'):
+    with pytest.raises(DataError, match=r'd.jsonl:1: expected a JSON object with a string "body" '
+                                        r'field'):
         run([tmp_path / "corpus" / "d.jsonl"], tmp_path / "o", text_field="body")
 
 
@@ -350,10 +381,12 @@ def test_verify_catches_a_flipped_byte_and_a_truncated_shard(tmp_path):
     assert any("train_00001.bin: sha256" in p for p in problems), problems
     cli = [sys.executable, str(ROOT / "prepare.py"), "verify", str(tmp_path / "out")]
     r = subprocess.run(cli, capture_output=True, text=True)
-    assert r.returncode == 2 and "train_00001.bin: sha256" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "train_00001.bin: sha256" in r.stderr
+    assert "Traceback" not in r.stderr
     shard.write_bytes(good[:-4])
     problems = verify(tmp_path / "out")
-    assert problems == [f"{shard}: expected {len(good)} bytes ({len(good) // 2} uint16 tokens), found {len(good) - 4}"]
+    assert problems == [f"{shard}: expected {len(good)} bytes ({len(good) // 2} uint16 tokens), "
+                        f"found {len(good) - 4}"]
     shard.write_bytes(good)
     assert subprocess.run(cli, capture_output=True).returncode == 0
 
@@ -380,14 +413,15 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     (tmp_path / "nothing" / "x.csv").write_text("1")
     with pytest.raises(DataError, match="no documents found"):
         find_inputs([tmp_path / "nothing"])
-    for kw, fragment in [({"val_fraction": 1.5}, "--val-fraction"), ({"shard_tokens": 0}, "--shard-tokens"),
-                         ({"workers": 0}, "--workers")]:
+    for kw, fragment in [({"val_fraction": 1.5}, "--val-fraction"),
+                         ({"shard_tokens": 0}, "--shard-tokens"), ({"workers": 0}, "--workers")]:
         with pytest.raises(DataError, match=fragment):
             run([tmp_path / "corpus"], tmp_path / "o", **kw)
     with pytest.raises(DataError, match="expected gpt2, byte or a tokenizer.json file"):
         run([tmp_path / "corpus"], tmp_path / "o", "gtp2")
     (tmp_path / "gz").mkdir()
-    (tmp_path / "gz" / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:-30] + b"garbage!")
+    broken = gzip.compress(b'{"text": "a"}\n' * 100)[:-30] + b"garbage!"
+    (tmp_path / "gz" / "broken.jsonl.gz").write_bytes(broken)
     with pytest.raises(DataError, match="broken.jsonl.gz: could not read it"):
         run([tmp_path / "gz"], tmp_path / "o")
     (tmp_path / "one").mkdir()
@@ -404,16 +438,19 @@ def test_failures_never_touch_existing_output(tmp_path):
     out = tmp_path / "out"
     first = run([tmp_path / "corpus"], out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    # A previous complete output is replaced only by a complete new one; a failing run leaves it as it was.
-    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{"text": "fine"}\n{"txt": "oops"}\n')
-    with pytest.raises(DataError, match=r'z.jsonl:3: expected a JSON object with a string "text" field'):
+    # A previous complete output is replaced only by a complete new one; a failing run leaves it as
+    # it was.
+    z = tmp_path / "corpus" / "z.jsonl"
+    z.write_text('{"text": "fine"}\n{"text": "fine"}\n{"txt": "oops"}\n')
+    with pytest.raises(DataError, match=r'z.jsonl:3: expected a JSON object with a string "text" '
+                                        r'field'):
         run([tmp_path / "corpus"], out, workers=2)
     (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{not json\n')
     with pytest.raises(DataError, match=r"z.jsonl:2: expected one JSON object per line"):
         run([tmp_path / "corpus"], out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert names(tmp_path) == [".out.lock", "corpus", "out"]  # no stage left behind
-    (tmp_path / "corpus" / "z.jsonl").write_text('{"text": "fine"}\n{"text": "\\ud800 lone surrogate"}\n')
+    z.write_text('{"text": "fine"}\n{"text": "\\ud800 lone surrogate"}\n')
     second = run([tmp_path / "corpus"], out, shard_tokens=10_000)
     assert second["splits"]["train"]["tokens"] > first["splits"]["train"]["tokens"]
     assert second["stats"]["undecodable_replaced"] == 3 + 1 and verify(out) == []
@@ -429,31 +466,35 @@ def test_failures_never_touch_existing_output(tmp_path):
 
 
 def test_cli_errors_are_one_clean_paragraph(tmp_path):
-    cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")]
+    cli = [sys.executable, str(ROOT / "prepare.py"), str(tmp_path / "missing"), "--out-dir",
+           str(tmp_path / "o")]
     r = subprocess.run(cli, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "missing" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), str(tmp_path)],
+                       capture_output=True, text=True)
     assert r.returncode == 2 and "--out-dir" in r.stderr
 
 
-@pytest.mark.parametrize("name", ["out", "web[1]"])  # a name that is also a glob pattern matches only itself
+@pytest.mark.parametrize("name", ["out", "web[1]"])  # a glob pattern too: it matches only itself
 def test_a_kill_mid_swap_is_recovered_by_the_next_run_and_user_files_are_kept(tmp_path, name):
     make_corpus(tmp_path / "corpus")
     out, old, stage = tmp_path / name, tmp_path / f".{name}.old", tmp_path / f".{name}.stage"
     run([tmp_path / "corpus"], out)
     (out / "NOTES.md").write_text("my notes about this data")
-    # killed between the swap's two renames: the previous output sits in .NAME.old, --out-dir is gone,
-    # and the stage of the killed run is still there
+    # killed between the swap's two renames: the previous output sits in .NAME.old, --out-dir is
+    # gone, and the stage of the killed run is still there
     os.rename(out, old)
     stage.mkdir()
     (stage / "train_00000.bin").write_bytes(b"half a shard")
-    with pytest.warns(UserWarning, match=rf"kept NOTES.md, which is not the tool's own, in .*{re.escape(name)}"):
+    kept = rf"kept NOTES.md, which is not the tool's own, in .*{re.escape(name)}"
+    with pytest.warns(UserWarning, match=kept):
         run([tmp_path / "corpus"], out, shard_tokens=10_000)
     assert (out / "NOTES.md").read_text() == "my notes about this data" and verify(out) == []
     assert len(read_manifest(out)["splits"]["train"]["shards"]) == 1  # the new output replaced it
     assert names(tmp_path) == [f".{name}.lock", "corpus", name]
-    # killed after the second rename: the new output is in place, the old one (with the notes) beside it
+    # killed after the second rename: the new output is in place, the old one (with the notes)
+    # beside it
     shutil.copytree(out, old)
     (out / "NOTES.md").unlink()
     with pytest.warns(UserWarning, match="kept NOTES.md"):
@@ -474,7 +515,8 @@ def test_a_stage_left_by_a_killed_run_is_removed(tmp_path):
 
 
 def test_a_swap_interrupted_and_then_a_failed_run_still_leave_the_old_output(tmp_path):
-    # the next run after a kill mid-swap puts the old output back first, so its own failure loses nothing
+    # the next run after a kill mid-swap puts the old output back first, so its own failure loses
+    # nothing
     make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     run([tmp_path / "corpus"], out)
@@ -507,7 +549,8 @@ def test_an_out_dir_that_is_a_symlink_is_replaced_behind_the_link(tmp_path):
     (tmp_path / "link").symlink_to("real")
     run([tmp_path / "corpus"], tmp_path / "link", shard_tokens=10_000)
     assert (tmp_path / "link").is_symlink() and verify(tmp_path / "link") == []
-    assert len(read_manifest(tmp_path / "real")["splits"]["train"]["shards"]) == 1  # the new output, in real/
+    # the new output, in real/
+    assert len(read_manifest(tmp_path / "real")["splits"]["train"]["shards"]) == 1
     assert names(tmp_path) == [".real.lock", "corpus", "link", "real"]
 
 
@@ -521,7 +564,8 @@ def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(prepare, "write_atomic", disk_full)
-    with pytest.raises(DataError, match=r"could not write .*manifest.json \(No space left on device\).* is unchanged"):
+    with pytest.raises(DataError, match=r"could not write .*manifest.json \(No space left on "
+                                        r"device\).* is unchanged"):
         run([tmp_path / "corpus"], out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert names(tmp_path) == [".out.lock", "corpus", "out"]
