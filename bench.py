@@ -9,8 +9,7 @@
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared
 machine slows every contender alike; the ratios are what to read, the absolute figures depend on
-the machine. What can be shown of the GPU path without a GPU (its kernels compiled offline, the
-bytes it moves) is tools/gpu_evidence.py's; `bench.py compile` and `bench.py traffic` run it.
+the machine. The GPU path's evidence that needs no GPU is tools/gpu_evidence.py (compile, traffic).
 """
 import bisect
 import contextlib
@@ -118,8 +117,7 @@ def hbm_bandwidth():
 
 
 def segsum_minimal(a):
-    """(..., T) -> (..., T, T): sum of a over (j, i], -inf above the diagonal (the stable
-    masked-cumsum form)."""
+    """(..., T) -> (..., T, T): sum of a over (j, i], -inf above the diagonal (masked cumsum)."""
     T = a.shape[-1]
     a = a[..., None].repeat(*([1] * a.dim()), T)
     below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)
@@ -177,8 +175,7 @@ def kernels(
     with cli_errors(ValueError):
         dev = pick_device(device)
         if L % C:
-            raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
-                             "baseline")
+            raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the baseline")
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def make(*shape, scale=1.0, positive=False, dtype=TORCH_DTYPE[dtype]):
@@ -186,9 +183,8 @@ def kernels(
         return (t.abs() if positive else t).to(device=dev, dtype=dtype).requires_grad_()
 
     x, q, k = make(B, L, H, P), make(B, L, H, N, scale=N**-0.5), make(B, L, H, N, scale=N**-0.5)
-    fp32 = torch.float32
-    log_a = (-make(B, L, H, scale=0.1, positive=True, dtype=fp32)).detach().requires_grad_()
-    gamma, beta = (make(B, L, H, scale=0.05, positive=True, dtype=fp32) for _ in range(2))
+    log_a = (-make(B, L, H, scale=0.1, positive=True, dtype=torch.float32)).detach().requires_grad_()
+    gamma, beta = (make(B, L, H, scale=0.05, positive=True, dtype=torch.float32) for _ in range(2))
     inputs = (x, q, k, log_a, gamma, beta)
     dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
 
@@ -263,8 +259,7 @@ def python_lists_batch(shards, shard_starts, starts, L):
 
 
 def copy_windows(pieces, B, L):
-    # each window's pieces (addresses found in advance) copied into a fresh (B, L+1) int64 buffer,
-    # converting on the way
+    # each window's pieces (addresses found in advance) copied into a fresh (B, L+1) int64 buffer
     g = np.empty((B, L + 1), np.int64)
     for b, window in enumerate(pieces):
         for shard, lo, hi, col in window:
@@ -322,8 +317,7 @@ def bench_loaders(path, files, L, B, reps, per_call):
             next(loader)
 
     # The slow baselines run in a group of their own: their garbage would land on whoever follows.
-    lists = contender(3, lambda _, s: python_lists_batch(shards, shard_starts, s, L))
-    slow = {"Python lists": lists}
+    slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, shard_starts, s, L))}
     if len(files) == 1:
         slow["nanoGPT get_batch"] = contender(4, lambda _, s: nanogpt_get_batch(files[0], s, L))
     times = time_interleaved({"limit": limit, "data.Batches": batches}, reps)
@@ -337,8 +331,8 @@ def time_prepare(out: Path, tokenizer: str, workers: int):
     cmd = [sys.executable, "prepare.py", "--tokenizer", tokenizer, "--workers", str(workers),
            "--val-fraction", "0.01", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(" ".join(done.stderr.split())[-300:])
+    if done.returncode:  # its error's first clause: what went wrong, without the details
+        raise RuntimeError(" ".join(done.stderr.split()).removeprefix("error: ").split(":")[0])
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(split["tokens"] for split in manifest["splits"].values())
     tokens_per_s = float(re.search(r"([\d,]+) tokens/s", done.stdout)[1].replace(",", ""))
@@ -353,14 +347,14 @@ def bench_prepare(out: Path):
                 runs = [time_prepare(out, tokenizer, workers) for _ in range(2)]
                 n, best, manifest = min(runs, key=lambda run: run[1])
                 if tokenizer == "byte":  # a token a byte, and an EOS a document
-                    files = manifest["stats"]["input_files"]
-                    size = n - manifest["stats"]["documents"]
+                    files, size = manifest["stats"]["input_files"], n - manifest["stats"]["documents"]
                 rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}",
                              f"{size / best / 1e6:.1f}"])
         except RuntimeError as e:  # gpt2 without its BPE file (offline): said, then the rest
             if tokenizer == "byte":
                 raise
-            console.print(f"prepare {tokenizer}: skipped ({e})", markup=False, highlight=False)
+            console.print(f"prepare {tokenizer}: skipped ({e}; set TIKTOKEN_CACHE_DIR)", markup=False,
+                          highlight=False)
     print_table(f"prepare.py on the demo corpus ({files} files, {size / 1e6:.1f} MB of Python)",
                 ["tokenizer", "workers", "tokens", "seconds", "M tokens/s", "MB/s"], rows)
 
@@ -373,13 +367,11 @@ def data(
     batch_size: int = typer.Option(16, min=1, help="B"),
     reps: int = typer.Option(60, min=1, help="Interleaved repetitions per loader."),
     per_call: int = typer.Option(10, min=1, help="Batches per timed call."),
-    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare",
-                                        help="Also time prepare.py on the demo corpus."),
-    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a "
-                                           "temporary directory, removed afterwards)."),
+    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a temporary "
+                                           "directory, removed afterwards)."),
 ):
-    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py's
-    tokens/s.
+    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
     One core, warm page cache. The limit is a raw copy of the same kind of windows into a fresh
     int64 (B, L+1) buffer (what the loader returns x and y as views of), with every window's address
@@ -408,9 +400,8 @@ def data(
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             for name in ("limit", "data.Batches", "nanoGPT get_batch", "Python lists"):
                 if name in t:
-                    rows.append([label if name == "limit" else "", name,
-                                 f"{B * L / t[name] / 1e6:,.0f}", f"{t[name] * 1e6:,.0f}",
-                                 f"{t['limit'] / t[name]:.2f}x"])
+                    rows.append([label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
+                                 f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"])
         print_table(f"data loader  B{B} L{L} random windows, warm page cache, 1 core",
                     ["stream", "loader", "M tokens/s", "us/batch", "vs limit"], rows)
         console.print("the token-id check's one-time cost (every window read once, so every file "
@@ -432,10 +423,9 @@ def ckpt(
     reps: int = typer.Option(7, min=1, help="Interleaved repetitions."),
     workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure."),
 ):
-    """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the same state, with
-    AdamW, on CPU.
+    """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
 
-    ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic
+    On CPU. ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic
     renames; bare + fsync (bare, then both files fsynced) is what durability alone costs."""
     import ckpt as C
     from safetensors.torch import load_file, save_file
@@ -472,16 +462,13 @@ def ckpt(
         def ckpt_save():
             written[:] = C.save(d, 1, net, opt, {"bench": True})
 
-        saves = time_interleaved({"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save},
-                                 reps)
+        saves = time_interleaved({"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save}, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(p) for p in written[:2])  # the weights and the optimizer state
 
     rows = []
     for what, t in (("save", saves), ("load", loads)):
-        fsync = ["", ""]
-        if "fsync" in t:
-            fsync = [f"{t['fsync']:.2f}", f"{t['ckpt'] / t['fsync']:.2f}x"]
+        fsync = [f"{t['fsync']:.2f}", f"{t['ckpt'] / t['fsync']:.2f}x"] if "fsync" in t else ["", ""]
         rows.append([what, f"{t['bare']:.2f}", fsync[0], f"{t['ckpt']:.2f}",
                      f"{t['ckpt'] / t['bare']:.2f}x", fsync[1], f"{size / t['bare'] / 1e9:.2f}",
                      f"{size / t['ckpt'] / 1e9:.2f}"])
@@ -532,8 +519,7 @@ def train_step(
         torch.manual_seed(0)
         try:
             lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
-            opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95),
-                                    fused=dev == "cuda")
+            opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
             fwd = torch.compile(lm) if compile_ else lm
             tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
 
@@ -570,8 +556,7 @@ def train_step(
 # bench.py gpu
 
 # Max relative error (max |a - ref| / max |ref| over a tensor) a bf16 run may show, for the layer's
-# output and for every gradient; bf16 keeps 8 bits of mantissa (a relative 4e-3 per rounding) and a
-# layer rounds many times.
+# output and every gradient: bf16 keeps 8 bits of mantissa (4e-3 a rounding); a layer rounds often.
 GPU_TOLERANCE = {"y": 3e-2, "gradients": 5e-2}
 
 
@@ -595,10 +580,9 @@ def official_package(src):
 
 
 def official_layer(Mamba3, cfg, **kwargs):
-    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned,
-    # are ours)
-    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim,
-                  ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, **kwargs)
+    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned, are ours)
+    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                  chunk_size=cfg.chunk_size, **kwargs)
 
 
 def rel_err(a, ref) -> float:
@@ -610,8 +594,7 @@ def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict
     """The compulsory HBM traffic of the layer's region, in_proj's output to out_proj's input, from
     the shapes: forward reads the input (the in_proj row) and writes the output once; backward reads
     the input and the output's gradient and writes the input's gradient once. Activations take
-    act_bytes an element; the region's fp32 parameters are read once a pass, their gradients written
-    once."""
+    act_bytes an element; the fp32 parameters are read once a pass, their gradients written once."""
     T = batch_size * seq_len
     H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
     row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z|x|B|C|dd_dt|dd_A|trap|angle
@@ -683,23 +666,39 @@ def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
     return time_interleaved(fns, reps, warmup=2)
 
 
-def train_run(compile_: bool, steps: int, total_batch_size: int) -> list:
-    """A table row of `python train.py --data synthetic --model 440m` for a few steps, run as a user
-    runs it: tokens/s, ms/step and MFU of its last log window (after compilation and warm-up)."""
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
-        cmd = [sys.executable, "train.py", "--data", "synthetic", "--model", "440m",
-               "--max-steps", str(steps), "--total-batch-size", str(total_batch_size),
-               "--log-every", str(max(1, steps // 3)), "--out-dir", out, "--resume", "never",
-               "--keep-last", "1", "--compile" if compile_ else "--no-compile"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd[1:])} exited with {done.returncode}:\n"
-                               f"{done.stderr[-2000:]}")
-        records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    r = [r for r in records if r.get("kind") == "train"][-1]
-    mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-    return ["on" if compile_ else "off", f"{r['tok_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", mfu]
+def train_runs(steps: int, total_batch_size: int):
+    """`python train.py --data synthetic --model 440m` for a few steps, torch.compile on and off, run
+    as a user runs it: a table of the last log window's tokens/s, ms/step and MFU (so after the
+    compilation and warm-up). A run that fails is a finding: shown, then the rest."""
+    table, errors = [], []
+    for compile_ in (True, False):
+        on = "on" if compile_ else "off"
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
+            cmd = [sys.executable, "train.py", "--data", "synthetic", "--model", "440m",
+                   "--max-steps", str(steps), "--total-batch-size", str(total_batch_size),
+                   "--log-every", str(max(1, steps // 3)), "--out-dir", out, "--resume", "never",
+                   "--keep-last", "1", "--compile" if compile_ else "--no-compile"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run
+            try:
+                done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=240)
+                error = done.returncode and (f"{' '.join(cmd[1:])} exited with {done.returncode}:\n"
+                                             f"{done.stderr[-2000:]}")
+            except subprocess.TimeoutExpired as e:
+                error = str(e)
+            if error:
+                table.append([on, "[red]failed[/red]", "", ""])
+                errors.append(error)
+                continue
+            records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+        r = [r for r in records if r.get("kind") == "train"][-1]
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        table.append([on, f"{r['tok_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", mfu])
+    print_table(f"python train.py --data synthetic --model 440m --max-steps {steps} "
+                f"--total-batch-size {total_batch_size}: the last log window",
+                ["torch.compile", "tokens/s", "ms/step", "MFU"], table)
+    for e in errors:
+        console.print(e, markup=False, highlight=False)
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
@@ -719,22 +718,43 @@ def official_on_gpu(official: Path, cfg, u, dy):
                       markup=False, highlight=False)
 
 
+def layer_times(mixer, u, dy, reps: int, official, shape: str):
+    """The table of time_layer's figures: each path's layer, and its region (the layer minus its
+    projections) against the HBM roofline of the region's compulsory bytes."""
+    t = time_layer(mixer, u, dy, reps, official)
+    B, L, _ = u.shape
+    moved, bw = sum(region_bytes(mixer.cfg, B, L).values()), hbm_bandwidth()
+    table = []
+    for path in ("torch", "triton") + (("official",) if official is not None else ()):
+        region = t[path] - t["projections"]
+        roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
+        table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}",
+                      f"{t['torch'] / t[path]:.2f}x", roofline])
+    print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
+                ["scan path", "layer ms", "region ms (layer - projections)",
+                 "layer speed-up vs torch", "region of HBM roofline"], table)
+    if official is not None:
+        console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
+                      "official layer's time")
+    at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
+          else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}")
+    console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
+                  f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, forward + backward){at}")
+
+
 @app.command()
 def gpu(
-    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (the 440m "
-                                   "recipe's micro batch)."),
+    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (440m's micro batch)."),
     seq_len: int = typer.Option(2048, min=1, help="L of the layer checked and timed."),
     reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
     train_steps: int = typer.Option(30, min=0, help="Steps per run of train.py; 0: no runs."),
     total_batch_size: int = typer.Option(
         16384, min=1, help="Tokens per optimizer step of those runs (default: one micro batch, 8 x "
         "2048, so that 30 steps fit the time; the preset's 524,288 would take 32 micro-steps)."),
-    official: Optional[Path] = typer.Option(
-        None, exists=True, file_okay=False,
-        help="A checkout of state-spaces/mamba: its Mamba-3 SISO layer is timed too."),
+    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False, help="A checkout of "
+                                            "state-spaces/mamba: its Mamba-3 SISO layer is timed too."),
 ):
-    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer, then train.py's
-    tokens/s and MFU.
+    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; train.py's tokens/s, MFU.
 
     Sized to finish within ten minutes. (1) One mixer layer of the 440m model (H 32, P 64, N 128,
     chunk 64) in bf16 autocast on the Triton and on the torch path: the output and every gradient
@@ -760,47 +780,18 @@ def gpu(
     shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
 
     rows = check_layer(mixer, u, dy)
-    print_table(f"one 440m mixer layer, {shape}, bf16 autocast: max |a - ref| / max |ref| a tensor",
-                ["tensor", "shape", "torch bf16 vs fp32", "triton bf16 vs fp32",
-                 "triton vs torch bf16", "tolerance", ""],
+    print_table(f"one 440m mixer layer, {shape}, bf16 autocast: max |a - ref| / max |ref| per tensor",
+                ["tensor", "shape", "torch bf16 vs fp32", "triton bf16 vs fp32", "triton vs torch bf16",
+                 "tolerance", ""],
                 [[name, "x".join(map(str, s)), f"{e0:.1e}", f"{e1:.1e}", f"{e2:.1e}", f"{tol:.0e}",
                   "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
 
     theirs = official_on_gpu(official, cfg, u, dy) if official else None
-    t = time_layer(mixer, u, dy, reps, theirs)
-    moved, bw = sum(region_bytes(cfg, B, L).values()), hbm_bandwidth()
-    table = []
-    for path in ("torch", "triton") + (("official",) if theirs is not None else ()):
-        region = t[path] - t["projections"]
-        roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
-        table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}",
-                      f"{t['torch'] / t[path]:.2f}x", roofline])
-    print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
-                ["scan path", "layer ms", "region ms (layer - projections)",
-                 "layer speed-up vs torch", "region of HBM roofline"], table)
-    if theirs is not None:
-        console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
-                      "official layer's time")
-    at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
-          else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}")
-    console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
-                  f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, forward + backward){at}")
+    layer_times(mixer, u, dy, reps, theirs, shape)
     del mixer, u, dy
     torch.cuda.empty_cache()
-
     if train_steps:
-        table, errors = [], []
-        for compile_ in (True, False):
-            try:
-                table.append(train_run(compile_, train_steps, total_batch_size))
-            except (RuntimeError, subprocess.TimeoutExpired) as e:  # a finding: shown, then the rest
-                table.append(["on" if compile_ else "off", "[red]failed[/red]", "", ""])
-                errors.append(str(e))
-        print_table(f"python train.py --data synthetic --model 440m --max-steps {train_steps} "
-                    f"--total-batch-size {total_batch_size}: the last log window",
-                    ["torch.compile", "tokens/s", "ms/step", "MFU"], table)
-        for e in errors:
-            console.print(e, markup=False, highlight=False)
+        train_runs(train_steps, total_batch_size)
     console.print(f"machine: {machine()}, triton {triton.__version__}")
     if not all(ok for *_, ok in rows):
         raise typer.Exit(1)
@@ -818,19 +809,14 @@ def all_():
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
 
 
-def delegate(name: str):
-    """`bench.py NAME ARGS...` runs `python tools/gpu_evidence.py NAME ARGS...`, NAME's home."""
+# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (the same for traffic)
+passed_on = dict(allow_extra_args=True, ignore_unknown_options=True, help_option_names=[])
+for tool in ("compile", "traffic"):
+    @app.command(tool, help=f"python tools/gpu_evidence.py {tool}: see its --help.",
+                 context_settings=passed_on)
     def run(ctx: typer.Context):
-        tool = [sys.executable, str(ROOT / "tools" / "gpu_evidence.py"), name]
-        raise typer.Exit(subprocess.run(tool + ctx.args).returncode)
-
-    settings = dict(allow_extra_args=True, ignore_unknown_options=True, help_option_names=[])
-    app.command(name, context_settings=settings,
-                help=f"python tools/gpu_evidence.py {name} (see its --help).")(run)
-
-
-delegate("compile")
-delegate("traffic")
+        script = [sys.executable, str(ROOT / "tools" / "gpu_evidence.py"), ctx.info_name]
+        raise typer.Exit(subprocess.run(script + ctx.args).returncode)
 
 if __name__ == "__main__":
     app()
