@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import List, Literal, Optional
 from unittest import mock
@@ -335,7 +336,7 @@ def time_prepare(out: Path, tokenizer: str, workers: int):
         raise RuntimeError(" ".join(done.stderr.split()).removeprefix("error: ").split(":")[0])
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(split["tokens"] for split in manifest["splits"].values())
-    tokens_per_s = float(re.search(r"([\d,]+) tokens/s", done.stdout)[1].replace(",", ""))
+    tokens_per_s = float(re.search(r"([\d,]+)\s+tokens/s", done.stdout)[1].replace(",", ""))
     return tokens, tokens / tokens_per_s, manifest
 
 
@@ -574,13 +575,14 @@ def check_official(official: Optional[Path]):
 def official_package(src):
     """The mamba_ssm package of a state-spaces/mamba checkout at src, as a module whose submodules
     import without running its __init__ (which imports transformers, for generation)."""
-    package = type(sys)("mamba_ssm")
+    package = types.ModuleType("mamba_ssm")
     package.__path__ = [str(Path(src) / "mamba_ssm")]
     return package
 
 
 def official_layer(Mamba3, cfg, **kwargs):
-    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned, are ours)
+    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned,
+    # are ours)
     return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
                   chunk_size=cfg.chunk_size, **kwargs)
 
