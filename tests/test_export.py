@@ -1,14 +1,17 @@
 """official.py, the official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained builds and loads,
 read_pretrained brings it (or a run directory) back bit for bit, and bad input is refused without damage."""
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -18,10 +21,14 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import ckpt
+import data
+import model
 import official
 from ckpt import CheckpointError
-from model import Mamba3LM, ModelConfig
 from data import ByteTokenizer
+from model import Mamba3LM, ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # two groups and a vocabulary that is not a multiple of 64, so the group layout and the padding are exercised
 CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2, mlp_hidden=128,
@@ -200,6 +207,11 @@ def test_runs_without_a_good_checkpoint(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+def entries(d):
+    """What a directory holds, less the `.NAME.lock` files data.replace_dir keeps beside what it wrote."""
+    return sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock"))
+
+
 def test_the_export_target(tmp_path):
     make_run(tmp_path / "run", steps=(1, 2))
     foreign = tmp_path / "foreign"
@@ -219,10 +231,11 @@ def test_the_export_target(tmp_path):
     official.export(tmp_path / "run", out)  # an earlier export is replaced
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
     (out / "eval-results.json").write_text("{}")  # a user's file in an earlier export is kept
-    official.export(tmp_path / "run", out, step=1)
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=1)
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
     assert (out / "eval-results.json").read_text() == "{}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "foreign", "out", "run"]  # no temp dirs
+    assert entries(tmp_path) == ["empty", "file", "foreign", "out", "run"]  # no stage or old dirs
 
 
 def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
@@ -253,16 +266,16 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
                 official.export(tmp_path / "run", out)
     rename = os.rename
 
-    def fail_the_swap(src, dst):
-        if ".export-" in str(src) and dst == out:
+    def fail_the_swap(src, dst):  # the new export's rename into place, once the old one is aside
+        if src == tmp_path / ".out.stage" and dst == out:
             raise OSError(5, "Input/output error", str(dst))
         rename(src, dst)
 
     monkeypatch.setattr(os, "rename", fail_the_swap)
-    with pytest.raises(CheckpointError, match="Input/output error"):
+    with pytest.raises(CheckpointError, match=f"Input/output error.* {out} is unchanged"):
         official.export(tmp_path / "run", out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert entries(tmp_path) == ["out", "run"]
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -367,50 +380,83 @@ def test_cli(tmp_path):
         result = runner.invoke(official.app, args)
         assert result.exit_code == 2 and "error:" in result.output and message in result.output
         assert "Traceback" not in result.output
+    # the README's command, in a process of its own
+    proc = subprocess.run([sys.executable, str(ROOT / "official.py"), "export", str(tmp_path / "run"),
+                           str(tmp_path / "out"), "--step", "3"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern matches only itself
-def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern is itself
+def test_an_export_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, monkeypatch, name):
     make_run(tmp_path / "run", steps=(1, 2))
     out = official.export(tmp_path / "run", tmp_path / name, step=1)
     (out / "eval-results.json").write_text("{}")
     first = {p.name: p.read_bytes() for p in out.iterdir()}
-    dead = 2 ** 22 + 1  # above Linux's largest PID: no process has it
-    # killed between its two renames: no OUT, the earlier export in .OUT.old-PID, the new one complete beside it
-    os.rename(out, tmp_path / f".{name}.old-{dead}")
-    shutil.copytree(tmp_path / f".{name}.old-{dead}", tmp_path / f".{name}.export-{dead}")
-    official._recover(out)
+    stage, old = tmp_path / f".{name}.stage", tmp_path / f".{name}.old"
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # killed between its two renames: no OUT, the earlier export in .OUT.old, the new one beside it.
+    # The next export puts the earlier one back first: here it fails, and leaves that one in place.
+    os.rename(out, old)
+    shutil.copytree(old, stage)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", disk_full)
+        with pytest.raises(CheckpointError, match=f"No space left on device.* {re.escape(str(out))} is unchanged"):
+            official.export(tmp_path / "run", out, step=2)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
-    # the same under our own PID: a killed export's, come round again (in a container every process is PID 1)
-    os.rename(out, tmp_path / f".{name}.old-{os.getpid()}")
-    official._recover(out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
-    # killed after the second rename, with the user's file still in the old one: the next export finishes the swap
-    old = tmp_path / f".{name}.old-{dead}"
+    assert entries(tmp_path) == sorted([name, "run"])
+    # killed while it wrote its stage: the stage is dropped, the export goes ahead
+    stage.mkdir()
+    (stage / "pytorch_model.bin").write_bytes(b"half")
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=2)
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
+    assert entries(tmp_path) == sorted([name, "run"])
+    # killed after the second rename, with the user's file still in the old one: the next export
+    # finishes the swap, and the user's file moves into the new one
     shutil.copytree(out, old)
     (out / "eval-results.json").unlink()
-    official.export(tmp_path / "run", out, step=2)
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=1)
     assert (out / "eval-results.json").read_text() == "{}"
-    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
-    # a running export's files are left alone
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    running = tmp_path / f".{name}.old-{child.pid}"
-    running.mkdir()
-    official._recover(out)
-    child.kill()
-    child.wait()
-    assert running.is_dir()
-    # its PID another user's live process (os.kill says EPERM): left alone too, and the export still runs
-    running.rename(old)
-    kill = os.kill
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+    assert entries(tmp_path) == sorted([name, "run"])
 
-    def another_users(pid, sig):
-        if pid == dead:
-            raise PermissionError(1, "Operation not permitted")
-        kill(pid, sig)
 
-    monkeypatch.setattr(os, "kill", another_users)
-    official.export(tmp_path / "run", out, step=1)
-    assert old.is_dir() and json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+def test_an_export_in_progress_is_left_alone(tmp_path):
+    make_run(tmp_path / "run")
+    out = official.export(tmp_path / "run", tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    stage = tmp_path / ".out.stage"
+    stage.mkdir()  # what the running export has written so far
+    with open(tmp_path / ".out.lock", "a") as held:  # as a running export holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(data.DataError, match=f"{out} is being written by another process"):
+            official.export(tmp_path / "run", out)
+        result = CliRunner().invoke(official.app, ["export", str(tmp_path / "run"), str(out)])
+        assert result.exit_code == 2 and "being written by another process" in result.output
+    assert stage.is_dir() and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    official.export(tmp_path / "run", out)  # released: the next export goes ahead
+    assert entries(tmp_path) == ["out", "run"]
+
+
+def test_blocks_the_official_format_cannot_hold_are_refused(tmp_path, monkeypatch):
+    class GeluMLP(torch.nn.Module):  # model.py with a plain MLP in place of SwiGLU
+        def __init__(self, cfg):
+            super().__init__()
+            self.up = torch.nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+            self.down = torch.nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+            self.scale = torch.nn.Parameter(torch.ones(cfg.mlp_hidden))
+
+        def forward(self, h):
+            return self.down(F.gelu(self.up(h)) * self.scale)
+
+    monkeypatch.setattr(model, "SwiGLU", GeluMLP)
+    make_run(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="cannot be exported to the official mamba_ssm format") as e:
+        official.export(tmp_path / "run", tmp_path / "out")
+    assert ("a gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot hold "
+            "blocks.N.mlp.scale; they need blocks.N.mlp.gate.weight") in str(e.value)
+    assert os.listdir(tmp_path) == ["run"]

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import data
+import official
 import prepare
 import sample
 import train
@@ -307,8 +309,8 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ", "--max-new-tokens", "40",
                                         "--top-k", "1", "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
-    model, meta, step = sample.load_model(out)
-    tokenizer = sample.load_tokenizer(meta["tokenizer"], out)
+    model, meta, step = official.load_model(out)
+    tokenizer = data.load_tokenizer(meta["tokenizer"], out)
     assert step == 20
     ids = model.generate(torch.tensor([tokenizer.encode("def ")]), 40, top_k=1)[0, 4:].tolist()
     if tokenizer.eos_id in ids:
@@ -330,8 +332,6 @@ def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
 
 
 def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(corpus, tmp_path, monkeypatch):
-    import official
-
     src = tmp_path / "src"
     run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", src)
     official.export(src, tmp_path / "export")
