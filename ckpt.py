@@ -94,7 +94,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
         for p in tmp.values():
             p.unlink(missing_ok=True)
-        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "none"
+        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "no directory"
         raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. Free "
                               f"space or fix permissions; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))

@@ -61,7 +61,8 @@ Int = Optional[int]  # None: the preset's value
 
 def preset(key, what):
     """Help text for a flag whose default is the preset's: the values behind "(preset)"."""
-    values = ", ".join(f"{p} {r[key]:g}" if r[key] else f"{p} 20 tok/param" for p, r in RECIPES.items())
+    values = ", ".join(f"{p} {r[key]:g}" if r[key] else f"{p} 20 tok/param"
+                       for p, r in RECIPES.items())
     return f"{what} [dim](preset: {values})[/dim]"
 
 
@@ -71,12 +72,12 @@ class TrainConfig:
     fills the (preset) ones and settles auto. Saved as config.json and in each checkpoint's meta."""
     data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a "
                     "nanoGPT .bin file or directory, a shard_*.bin directory or a Megatron prefix; "
-                    "DIR:WEIGHT (repeated) blends; 'synthetic' is random tokens (speed tests only).")]
+                    "DIR:WEIGHT (repeated) blends; 'synthetic': random tokens (speed tests only).")]
     model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset; sets the "
                      "(preset) defaults too (default: small, or --init-from's).")] = None
     init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, "
                          "schedule, data): a run directory or an official mamba_ssm one.")] = None
-    reset_at_eos: Annotated[bool, Option(help="Reset the state after each EOS; decoding too.")] = False
+    reset_at_eos: Annotated[bool, Option(help="Reset the state after each EOS.")] = False
     # the batch and the schedule
     seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
     batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and "
@@ -160,8 +161,7 @@ def resolve(cfg, init=None):
 
 
 def build_model(cfg, init, source):
-    """The model of the preset (or of --init-from, with its weights), resetting at the data's EOS
-    when asked; init is read_pretrained's (config, state, tokenizer) or None."""
+    """The preset's model, or --init-from's (init: read_pretrained's (config, state, tokenizer))."""
     if cfg.reset_at_eos and source.eos_id is None:
         raise TrainError(f"--reset-at-eos needs data that records its EOS id (a prepare.py "
                          f"directory); {source.path} does not")
@@ -187,13 +187,14 @@ def lr_at(step, cfg):
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
         start = int(cfg.max_steps * 0.8)
-        return cfg.lr + max(0.0, (step - start) / max(1, cfg.max_steps - start)) * (cfg.min_lr - cfg.lr)
+        frac = max(0.0, (step - start) / max(1, cfg.max_steps - start))
+        return cfg.lr + frac * (cfg.min_lr - cfg.lr)
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
 
 
 def micro_step(model, x, y, autocast):
-    """Forward one micro-batch; returns the mean loss. (A function of its own: tests inject faults.)"""
+    """Forward one micro-batch; returns the mean loss. (Its own function: tests inject faults.)"""
     with autocast:
         return model(x, y)[1]
 
@@ -222,8 +223,8 @@ def evaluate(model, val, cfg, autocast, rank, world):
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
-    for x, y in data.val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank, world,
-                                 device):
+    windows = (val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank, world, device)
+    for x, y in data.val_batches(*windows):
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
         total[1] += y.numel()
     if world > 1:
@@ -232,7 +233,7 @@ def evaluate(model, val, cfg, autocast, rank, world):
     return (total[0] / total[1]).item()
 
 
-def max_abs_weight(model):
+def max_abs_weight(model):  # what "the weights blew up" measures
     return torch.stack([p.detach().abs().max() for p in model.parameters()]).max().item()
 
 
@@ -301,7 +302,7 @@ class Log:
         self.console = Console(highlight=False, width=None if tty else 200, quiet=rank != 0)
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if rank == 0 and not cfg.dry_run else None
         # a progress bar on terminals only: not in log files
-        self.progress = Progress(console=self.console, transient=True, disable=rank or not tty)
+        self.progress = Progress(console=self.console, transient=True, disable=rank != 0 or not tty)
 
     def __call__(self, line=None, **record):
         if line is not None:
@@ -316,9 +317,10 @@ class Log:
     def metrics(self, kind, step, **values):
         """A train or eval record, with the tokens seen (plot.py's x axis), and its line. NaN (a
         window of skipped steps) prints as nan and is recorded as null: NaN is not JSON."""
-        shown = ", ".join(SHOW[k].format(v) for k, v in values.items() if k in SHOW and v is not None)
+        shown = [SHOW[k].format(v) for k, v in values.items() if k in SHOW and v is not None]
         values = {k: None if v != v else v for k, v in values.items()}
-        self(f"step {step}: {shown}", kind=kind, step=step, tokens=step * self.tokens_per_step, **values)
+        self(f"step {step}: {', '.join(shown)}", kind=kind, step=step,
+             tokens=step * self.tokens_per_step, **values)
 
     def start_wandb(self, cfg, run_id):
         """Start wandb (when this rank writes and WANDB_PROJECT is set); returns the run id."""
@@ -367,25 +369,17 @@ def header(log, cfg, model, batches, val):
 
 
 def write(path, text, mode="w"):
-    """Write `path` whole (atomically) or append to it (mode "a"); a full disk or a missing
-    permission is a TrainError naming the file (an OSError from write() names none)."""
+    """Write `path` whole (atomically) or append to it; a full disk is a TrainError naming it."""
     try:
         if mode == "a":
             with open(path, "a") as f:
                 f.write(text)
         else:
             data.write_atomic(path, text.encode())
-    except OSError as e:
-        raise TrainError(f"could not write {path} ({e.strerror or e}); free disk space or fix the "
-                         f"permissions, then run again: it resumes from the newest checkpoint") from None
-
-
-def record_step(line):
-    """The step of a metrics.jsonl line, or None for a record cut short (a disk filled up)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
+    except OSError as e:  # (the OSError of a failed write() names no file)
+        raise TrainError(f"could not write {path} ({e.strerror or e}); free disk space or fix "
+                         f"the permissions, then run again: it resumes from the newest "
+                         f"checkpoint") from None
 
 
 def move_aside(out, step, files, prefix):
@@ -393,9 +387,13 @@ def move_aside(out, step, files, prefix):
     OUT/PREFIX-TIME/ and return it (None if there are none): a branch left behind is never deleted.
     Records past `step` with no checkpoint (steps that will run again) are dropped, so that each
     (kind, step) is recorded once."""
+    def step_of(line):  # None for a record cut short (the disk filled up as it was appended)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return json.loads(line)["step"]
+
     metrics = out / "metrics.jsonl"
     text = metrics.read_text() if metrics.exists() else ""
-    records = [(line + "\n", s) for line in text.splitlines() if (s := record_step(line)) is not None]
+    records = [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
     paths = [p for s in sorted(files) if s > step for p in files[s]]
     aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
     if aside:
@@ -424,9 +422,9 @@ def resume(cfg, model, optimizer, batches, log):
         step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
         if step is None and files:
             names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
-            raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); nothing "
-                             f"was changed. Use --resume STEP to pick a step, or --resume never "
-                             f"--overwrite to move them aside into {out}/previous-TIME/")
+            raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); "
+                             f"nothing was changed. Use --resume STEP to pick a step, or --resume "
+                             f"never --overwrite to move them aside into {out}/previous-TIME/")
     elif cfg.resume != "never":
         step = int(cfg.resume)
         meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
@@ -434,7 +432,8 @@ def resume(cfg, model, optimizer, batches, log):
         if meta["data"] is not None:
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
-            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; raise it")
+            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; "
+                             f"raise it")
     # (also without a step: the records of a run killed before its first save are dropped)
     prefix = "previous" if cfg.resume == "never" else "abandoned"
     if writes and (aside := move_aside(out, -1 if step is None else step, files, prefix)):
@@ -451,7 +450,7 @@ def resume(cfg, model, optimizer, batches, log):
 
 
 def save_checkpoint(cfg, step, model, optimizer, state):
-    """Write step `step` (with retention). (A function of its own: tests inject faults around it.)"""
+    """Write step `step` (with retention). (Its own function: tests inject faults around it.)"""
     meta = dict(state, tag="final" if step == cfg.max_steps else "periodic",
                 config=dataclasses.asdict(cfg))
     ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=cfg.keep_last or None)
@@ -474,16 +473,16 @@ def setup(cfg, init, tmp, cleanup):
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything else
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size,
                                                    cfg.seed, tmp)
-    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, cfg.total_batch_size // cfg.seq_len,
-                           rank, max(world, 1), cfg.seed, weights, cfg.device,
-                           prefetch=cfg.device == "cuda")
+    world, sequences = max(world, 1), cfg.total_batch_size // cfg.seq_len  # per optimizer step
+    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, sequences, rank, world, cfg.seed,
+                           weights, cfg.device, prefetch=cfg.device == "cuda")
     cleanup.callback(batches.close)
     if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the
         val = None  # header says that evaluation is off; the training is still worth running
     model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, batches.sources[0])
     model.to(f"cuda:{local}" if cfg.device == "cuda" else "cpu")
-    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                                  eps=1e-8, fused=cfg.device == "cuda")
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
+                                  betas=(0.9, 0.95), eps=1e-8, fused=cfg.device == "cuda")
     out = Path(cfg.out_dir)
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
@@ -492,7 +491,7 @@ def setup(cfg, init, tmp, cleanup):
             raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would "
                              f"overwrite its config.json; use another --out-dir")
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
-    return rank, max(world, 1), local, batches, val, model, optimizer
+    return rank, world, local, batches, val, model, optimizer
 
 
 def run(cfg, init, tmp, cleanup):
@@ -501,7 +500,7 @@ def run(cfg, init, tmp, cleanup):
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
     out, writes, source = Path(cfg.out_dir), rank == 0 and not cfg.dry_run, batches.sources[0]
     log = Log(cfg, rank)
-    meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0, data=None)
+    meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
     step, skipped = meta["step"], meta["skipped_steps"]
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
@@ -549,9 +548,10 @@ def run(cfg, init, tmp, cleanup):
             dt, n = time.time() - t_log, step - logged
             loss, norm = np.mean(good, axis=0) if good else (math.nan, math.nan)
             tok_per_s = n * cfg.total_batch_size / dt
-            mfu = raw_model.flops_per_token(cfg.seq_len) * tok_per_s / (peak * world) if peak else None
-            log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)), lr=lr_at(step - 1, cfg),
-                        grad_norm=norm, tok_per_s=tok_per_s, ms_per_step=1000 * dt / n, mfu=mfu)
+            flops = raw_model.flops_per_token(cfg.seq_len) * tok_per_s
+            log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)),
+                        lr=lr_at(step - 1, cfg), grad_norm=norm, tok_per_s=tok_per_s,
+                        ms_per_step=1000 * dt / n, mfu=flops / (peak * world) if peak else None)
             good, logged, t_log = [], step, time.time()
         # --- eval and save: when due, at the end (save: when stopped too); not in the tok/s
         t_pause = time.time()
