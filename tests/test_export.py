@@ -1,5 +1,6 @@
-"""official.py, the official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained builds and loads,
-read_pretrained brings it (or a run directory) back bit for bit, and bad input is refused without damage."""
+"""official.py, the official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained
+builds and loads, read_pretrained brings it (or a run directory) back bit for bit, and bad input is
+refused without damage."""
 import dataclasses
 import fcntl
 import hashlib
@@ -22,7 +23,6 @@ from typer.testing import CliRunner
 
 import ckpt
 import data
-import model
 import official
 from ckpt import CheckpointError
 from data import ByteTokenizer
@@ -30,14 +30,14 @@ from model import Mamba3LM, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# two groups and a vocabulary that is not a multiple of 64, so the group layout and the padding are exercised
-CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2, mlp_hidden=128,
-                     chunk_size=16)
+# two groups and a vocabulary that is not a multiple of 64: the group layout and padding are tested
+CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2,
+                     mlp_hidden=128, chunk_size=16)
 
 
 def make_run(run_dir, config=CONFIG, steps=(3,), tokenizer={"name": "byte"}, seed=0):
-    """A run directory with `steps` checkpoints of a random model whose every parameter is perturbed (so no norm
-    weight, bias or D is left at its initial ones). Returns the model of the last step."""
+    """A run directory with `steps` checkpoints of a random model whose every parameter is perturbed
+    (so no norm weight, bias or D is left at its initial ones). Returns the last step's model."""
     torch.manual_seed(seed)
     model = Mamba3LM(config)
     for step in steps:
@@ -49,13 +49,14 @@ def make_run(run_dir, config=CONFIG, steps=(3,), tokenizer={"name": "byte"}, see
 
 
 def official_layout(c):
-    """Key -> shape of the state dict that mamba_ssm's MambaLMHeadModel(MambaConfig(**c)) creates, written from
-    reading its modules: a MixerModel `backbone` (embedding, layers, norm_f) and a tied `lm_head`; the
-    vocabulary rounded up to pad_vocab_size_multiple; each layer a Block with `norm` (RMSNorm, weight only),
-    a Mamba3 `mixer` and, when d_intermediate > 0, `norm2` and a GatedMLP `mlp` whose hidden size is
-    d_intermediate rounded up to 128 and whose fc1 makes both halves. The Mamba3 in_proj makes z and x
-    (d_inner each), B and C (ngroups * d_state each, times the MIMO rank, 1 here), dd_dt, dd_A and trap (one
-    per head each) and the rotary angles: d_state * rope_fraction, made even, in pairs."""
+    """Key -> shape of the state dict that mamba_ssm's MambaLMHeadModel(MambaConfig(**c)) creates,
+    written from reading its modules: a MixerModel `backbone` (embedding, layers, norm_f) and a tied
+    `lm_head`; the vocabulary rounded up to pad_vocab_size_multiple; each layer a Block with `norm`
+    (RMSNorm, weight only), a Mamba3 `mixer` and, when d_intermediate > 0, `norm2` and a GatedMLP
+    `mlp` whose hidden size is d_intermediate rounded up to 128 and whose fc1 makes both halves. The
+    Mamba3 in_proj makes z and x (d_inner each), B and C (ngroups * d_state each, times the MIMO
+    rank, 1 here), dd_dt, dd_A and trap (one per head each) and the rotary angles: d_state *
+    rope_fraction, made even, in pairs."""
     ssm = c["ssm_cfg"]
     D, N, G = c["d_model"], ssm["d_state"], ssm["ngroups"]
     d_inner = ssm["expand"] * D
@@ -63,15 +64,19 @@ def official_layout(c):
     S = int(N * ssm["rope_fraction"]) // 2 * 2 // 2
     V = math.ceil(c["vocab_size"] / c["pad_vocab_size_multiple"]) * c["pad_vocab_size_multiple"]
     F = math.ceil(c["d_intermediate"] / 128) * 128
-    layout = {"backbone.embedding.weight": (V, D), "lm_head.weight": (V, D), "backbone.norm_f.weight": (D,)}
+    layout = {"backbone.embedding.weight": (V, D), "lm_head.weight": (V, D),
+              "backbone.norm_f.weight": (D,)}
     for i in range(c["n_layer"]):
         p = f"backbone.layers.{i}."
-        layout.update({p + "norm.weight": (D,), p + "mixer.in_proj.weight": (2 * d_inner + 2 * G * N + 3 * H + S, D),
-                       p + "mixer.dt_bias": (H,), p + "mixer.B_bias": (H, 1, N), p + "mixer.C_bias": (H, 1, N),
-                       p + "mixer.B_norm.weight": (N,), p + "mixer.C_norm.weight": (N,), p + "mixer.D": (H,),
+        layout.update({p + "norm.weight": (D,),
+                       p + "mixer.in_proj.weight": (2 * d_inner + 2 * G * N + 3 * H + S, D),
+                       p + "mixer.dt_bias": (H,), p + "mixer.B_bias": (H, 1, N),
+                       p + "mixer.C_bias": (H, 1, N), p + "mixer.B_norm.weight": (N,),
+                       p + "mixer.C_norm.weight": (N,), p + "mixer.D": (H,),
                        p + "mixer.out_proj.weight": (D, d_inner)})
         if F:
-            layout.update({p + "norm2.weight": (D,), p + "mlp.fc1.weight": (2 * F, D), p + "mlp.fc2.weight": (D, F)})
+            layout.update({p + "norm2.weight": (D,), p + "mlp.fc1.weight": (2 * F, D),
+                           p + "mlp.fc2.weight": (D, F)})
     return layout
 
 
@@ -90,31 +95,32 @@ def test_export_is_what_the_official_model_builds(tmp_path):
     # exactly MambaConfig's fields, and Mamba3's arguments for our layer
     assert config == {
         "d_model": 64, "d_intermediate": 128, "n_layer": 2, "vocab_size": 257,
-        "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "expand": 2, "headdim": 16, "ngroups": 2, "rope_fraction": 0.5,
-                    "dt_min": 1e-3, "dt_max": 0.1, "dt_init_floor": 1e-4, "A_floor": 1e-4, "chunk_size": 16,
-                    "is_outproj_norm": False, "is_mimo": False},
-        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "expand": 2, "headdim": 16, "ngroups": 2,
+                    "rope_fraction": 0.5, "dt_min": 1e-3, "dt_max": 0.1, "dt_init_floor": 1e-4,
+                    "A_floor": 1e-4, "chunk_size": 16, "is_outproj_norm": False, "is_mimo": False},
+        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
+        "fused_add_norm": True,
         "pad_vocab_size_multiple": 1, "tie_embeddings": True}
 
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert {k: tuple(v.shape) for k, v in state.items()} == official_layout(config)
     same = load_file(out / "model.safetensors")
     assert state.keys() == same.keys() and all(torch.equal(state[k], same[k]) for k in state)
-    # the embedding keeps exactly the vocabulary's rows; the head is the same tensor, as tie_embeddings makes it
+    # the embedding keeps exactly the vocabulary's rows; the head is the same tensor (tied)
     assert torch.equal(state["backbone.embedding.weight"], model.embed.weight[:257])
     assert state["lm_head.weight"].data_ptr() == state["backbone.embedding.weight"].data_ptr()
 
-    # the official forward of the pieces that change layout, in our words: GatedMLP splits fc1's output into
-    # (y, gate) and returns fc2(y * silu(gate)); Mamba3 squeezes the bias's rank axis
+    # the official forward of the pieces that change layout, in our words: GatedMLP splits fc1's
+    # output into (y, gate) and returns fc2(y * silu(gate)); Mamba3 squeezes the bias's rank axis
     h = torch.randn(3, 64)
     y, gate = (h @ state["backbone.layers.1.mlp.fc1.weight"].T).chunk(2, dim=-1)
     official_mlp = (y * F.silu(gate)) @ state["backbone.layers.1.mlp.fc2.weight"].T
     torch.testing.assert_close(official_mlp, model.blocks[1].mlp(h), rtol=1e-6, atol=1e-6)
     assert torch.equal(state["backbone.layers.0.mixer.C_bias"][:, 0], model.blocks[0].mixer.C_bias)
 
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "mamba3_lite.json",
-                                                     "model.safetensors", "pytorch_model.bin", "tokenizer.json",
-                                                     "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "config.json", "mamba3_lite.json", "model.safetensors", "pytorch_model.bin",
+        "tokenizer.json", "tokenizer_config.json"]
     note = (out / "README.md").read_text()
     assert f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={out}," in note
     assert "MambaLMHeadModel.from_pretrained" in note
@@ -139,8 +145,8 @@ def test_round_trip_is_bit_identical(tmp_path):
 
 
 def test_a_foreign_official_checkpoint(tmp_path):
-    """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the vocabulary is
-    padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
+    """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the
+    vocabulary is padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
     model = make_run(tmp_path / "run", dataclasses.replace(CONFIG, vocab_size=260))
     out = official.export(tmp_path / "run", tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
@@ -208,7 +214,7 @@ def test_runs_without_a_good_checkpoint(tmp_path):
 
 
 def entries(d):
-    """What a directory holds, less the `.NAME.lock` files data.replace_dir keeps beside what it wrote."""
+    """What a directory holds, less the `.NAME.lock` files data.replace_dir leaves beside OUT."""
     return sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock"))
 
 
@@ -249,8 +255,8 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(torch, "save", disk_full)
-        with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space left on device\\); "
-                           f".* {out} is unchanged"):
+        with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space "
+                           f"left on device\\); .* {out} is unchanged"):
             official.export(tmp_path / "run", out)
     # what torch.save and safetensors raise when the disk fills up (seen on a full 4 MB tmpfs)
     for module, name, error in [
@@ -330,7 +336,8 @@ def test_byte_tokenizer_json_is_the_byte_tokenizer():
     tok = Tokenizer.from_str(official.byte_tokenizer_json())
     tok.encode_special_tokens = True  # as tokenizer_config.json's split_special_tokens asks of transformers
     ours = ByteTokenizer()
-    for text in ["def f(x):\n    return x  # é, 漢字, 🙂\t\r\n", "  two spaces", "\x00\x7f\xff", "a<|endoftext|>b"]:
+    texts = ["def f(x):\n    return x  # é, 漢字, 🙂\t\r\n", "  two spaces", "\x00\x7f\xff", "a<|endoftext|>b"]
+    for text in texts:
         ids = tok.encode(text, add_special_tokens=False).ids
         assert ids == ours.encode(text) and tok.decode(ids) == text
     assert tok.token_to_id("<|endoftext|>") == ours.eos_id and tok.get_vocab_size() == ours.vocab_size
@@ -348,7 +355,8 @@ def test_tokenizer_files(tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert official.read_pretrained(out)[2] == spec
     (tmp_path / "run" / "tokenizer.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="tokenizer.json: missing, or not the tokenizer the run was trained with"):
+    with pytest.raises(CheckpointError, match="tokenizer.json: missing, or not the tokenizer the run "
+                       "was trained with"):
         official.export(tmp_path / "run", tmp_path / "out")
 
     make_run(tmp_path / "gpt2", tokenizer={"name": "gpt2"})
@@ -375,8 +383,10 @@ def test_cli(tmp_path):
     assert "lm_eval --model mamba_ssm --model_args pretrained=" in result.output
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "x").write_text("")
-    for args, message in ((["export", str(tmp_path / "nowhere"), str(tmp_path / "out2")], "no such directory"),
-                          (["export", str(tmp_path / "run"), str(tmp_path / "foreign")], "not an earlier export")):
+    for args, message in ((["export", str(tmp_path / "nowhere"), str(tmp_path / "out2")],
+                           "no such directory"),
+                          (["export", str(tmp_path / "run"), str(tmp_path / "foreign")],
+                           "not an earlier export")):
         result = runner.invoke(official.app, args)
         assert result.exit_code == 2 and "error:" in result.output and message in result.output
         assert "Traceback" not in result.output
@@ -403,7 +413,8 @@ def test_an_export_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, m
     shutil.copytree(old, stage)
     with monkeypatch.context() as m:
         m.setattr(torch, "save", disk_full)
-        with pytest.raises(CheckpointError, match=f"No space left on device.* {re.escape(str(out))} is unchanged"):
+        unchanged = f"No space left on device.* {re.escape(str(out))} is unchanged"
+        with pytest.raises(CheckpointError, match=unchanged):
             official.export(tmp_path / "run", out, step=2)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
     assert entries(tmp_path) == sorted([name, "run"])
@@ -453,7 +464,7 @@ def test_blocks_the_official_format_cannot_hold_are_refused(tmp_path, monkeypatc
         def forward(self, h):
             return self.down(F.gelu(self.up(h)) * self.scale)
 
-    monkeypatch.setattr(model, "SwiGLU", GeluMLP)
+    monkeypatch.setattr("model.SwiGLU", GeluMLP)
     make_run(tmp_path / "run")
     with pytest.raises(CheckpointError, match="cannot be exported to the official mamba_ssm format") as e:
         official.export(tmp_path / "run", tmp_path / "out")
