@@ -96,7 +96,8 @@ class TrainConfig:
     dtype: Annotated[Literal["auto", "bf16", "fp32"], Option(help="auto: bf16 autocast (float32 "
                      "weights) where the device has bf16 arithmetic, else fp32.")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], Option(help="auto: CUDA if any.")] = "auto"
-    compile: Annotated[Optional[bool], Option("--compile/--no-compile", help="(CUDA: on)")] = None
+    compile: Annotated[Optional[bool], Option("--compile/--no-compile",
+                       help="torch.compile (default: on CUDA).")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute in backward: less memory.")] = False
     # the vocabulary
     vocab_size: Annotated[Int, Option(min=1, help="Default: the data's, else 50257.")] = None
@@ -494,6 +495,16 @@ def setup(cfg, init, tmp, cleanup):
     return rank, world, local, batches, val, model, optimizer
 
 
+def catch_signals(cleanup):
+    """SIGTERM and SIGINT (Ctrl-C) append their names to the returned list instead of killing the
+    run: it finishes the step, saves and exits (every rank at the same step). Undone at the end."""
+    stop = []
+    for s in (signal.SIGTERM, signal.SIGINT):
+        old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
+        cleanup.callback(signal.signal, s, old)
+    return stop
+
+
 def run(cfg, init, tmp, cleanup):
     """Train: set up, then loop. init is --init-from's (ModelConfig fields, state dict, tokenizer
     spec) or None; cleanup (an ExitStack) releases what the setup takes, however the run ends."""
@@ -514,21 +525,18 @@ def run(cfg, init, tmp, cleanup):
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU
     guard = NanGuard(cfg.nan_guard, EXPLODED * max(1.0, max_abs_weight(raw_model)), out)
-    stop, stopping = [], False  # SIGTERM, SIGINT: finish the step, save, exit; all ranks agree
-    for s in (signal.SIGTERM, signal.SIGINT):
-        old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
-        cleanup.callback(signal.signal, s, old)
+    stop, stopping = catch_signals(cleanup), False
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
-
     while step < cfg.max_steps and not stopping:
         # --- step: accumulate, clip, update unless non-finite (none when a rollback is due)
         if not guard.due():
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg)
+            for group in optimizer.param_groups:  # the schedule is a function of the step alone,
+                group["lr"] = lr_at(step, cfg)  # so a resumed run follows it without its own state
             loss, stopping = train_step(model, batches, autocast, world, stop)
-            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-            if guard.finite(loss, norm := norm.item()):
+            clip = cfg.grad_clip or math.inf  # (--grad-clip 0: the norm is measured, not clipped)
+            norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip).item()
+            if guard.finite(loss, norm):
                 optimizer.step()
                 good.append((loss, norm))
             else:
@@ -541,7 +549,7 @@ def run(cfg, init, tmp, cleanup):
         # --- NaN guard: back to the newest checkpoint; the data cursor keeps moving
         if guard.due():
             guard.roll_back(raw_model, optimizer, step, log)
-        last_step = step == cfg.max_steps
+        last_step = step == cfg.max_steps  # the final log, eval and save happen in the loop
         # --- log: the mean loss and norm of the good steps since the last line
         log.progress.update(bar, completed=step)
         if step > logged and (step % cfg.log_every == 0 or last_step):
@@ -549,15 +557,17 @@ def run(cfg, init, tmp, cleanup):
             loss, norm = np.mean(good, axis=0) if good else (math.nan, math.nan)
             tok_per_s = n * cfg.total_batch_size / dt
             flops = raw_model.flops_per_token(cfg.seq_len) * tok_per_s
+            # (lr: the last step's; loss and norm: NaN after a window of skipped steps only)
             log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)),
                         lr=lr_at(step - 1, cfg), grad_norm=norm, tok_per_s=tok_per_s,
                         ms_per_step=1000 * dt / n, mfu=flops / (peak * world) if peak else None)
             good, logged, t_log = [], step, time.time()
-        # --- eval and save: when due, at the end (save: when stopped too); not in the tok/s
+        # --- eval: when due and at the end (eval and save are kept out of the tok/s figures)
         t_pause = time.time()
         if val is not None and (last_step or step % cfg.eval_every == 0):
             val_loss = evaluate(model, val, cfg, autocast, rank, world)
             log.metrics("eval", step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+        # --- save: when due, at the end, and when stopped
         if last_step or stopping or step % cfg.save_every == 0:
             if why := guard.poison(raw_model):  # poison is never saved
                 log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event",
@@ -583,7 +593,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 
 @app.command(help=__doc__.split("\n\n")[0] + "\n\nResumes from the newest checkpoint in "
-             "--out-dir by default (--resume auto). Flags marked (preset) default to the preset's.")
+             "--out-dir by default (--resume auto). Flags marked (preset) default to the preset's "
+             "recipe.")
 def main(**flags):
     # the errors a user can cause, each one paragraph: OSError is the disk's, named by the OS;
     # ValueError is data.DataError, and pick_device's and ModelConfig's refusals
