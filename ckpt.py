@@ -229,11 +229,11 @@ def read_meta(dir, step, verify=False):
     try:
         meta = json.loads((d / meta_name).read_text())
         # (a KeyError: the meta of another step, or not a meta at all)
-        files = {name: meta["files"][name] for name in (model_name, optim_name)}
-        for name, want in files.items():
-            if (size := (d / name).stat().st_size) != want["bytes"]:
+        hashes = {name: meta["files"][name]["sha256"] for name in (model_name, optim_name)}
+        for name in hashes:
+            if (size := (d / name).stat().st_size) != (want := meta["files"][name]["bytes"]):
                 raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} "
-                                      f"says {want['bytes']}")
+                                      f"says {want}")
     except FileNotFoundError as e:  # also when retention removes one as we look: readers do not lock
         raise CheckpointError(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -241,8 +241,8 @@ def read_meta(dir, step, verify=False):
                               f"({e})") from None
     if verify:
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-            for name, found in zip(files, pool.map(sha256, [d / name for name in files])):
-                if found != files[name]["sha256"]:
+            for name, found in zip(hashes, pool.map(sha256, [d / name for name in hashes])):
+                if found != hashes[name]:
                     raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt "
                                             "(sha256 mismatch)")
     return meta

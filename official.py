@@ -11,14 +11,14 @@ The official Mamba3 layer with MIMO and the output norm off is our mixer (the sa
 and math), its blocks are ours (pre-norm RMSNorm, mixer, RMSNorm, gated MLP) and its head is tied.
 What differs is names and the packing of a few tensors:
 
-    ours                      official (backbone.)               change
-    embed.weight (V64, D)     embedding.weight, lm_head.weight   vocab_size rows, tied
-    blocks.i.norm1 / norm2    layers.i.norm / norm2
-    blocks.i.mixer.*          layers.i.mixer.*                   B_norm_weight -> B_norm.weight
-    mixer.B_bias, C_bias      (H, 1, N)                          a MIMO rank axis, 1 here
-    blocks.i.mlp.up, gate     layers.i.mlp.fc1 (2F, D)           [up; gate], as GatedMLP splits it
-    blocks.i.mlp.down         layers.i.mlp.fc2
-    norm_f                    norm_f                             (lm_head.weight: not backbone.)
+    ours                    official                               change
+    embed.weight (V64, D)   backbone.embedding.weight, lm_head.weight  vocab_size rows, tied
+    blocks.i.norm1, norm2   backbone.layers.i.norm, norm2
+    blocks.i.mixer.*        backbone.layers.i.mixer.*              B_norm_weight -> B_norm.weight
+    mixer.B_bias, C_bias    (H, 1, N)                              a MIMO rank axis, 1 here
+    blocks.i.mlp.up, gate   backbone.layers.i.mlp.fc1 (2F, D)      [up; gate], as GatedMLP splits
+    blocks.i.mlp.down       backbone.layers.i.mlp.fc2
+    norm_f                  backbone.norm_f
 
 What the official modules cannot rebuild exactly is refused: an MLP hidden size that is not a
 multiple of 128 (GatedMLP rounds it up), rope_fraction other than 0.5 or 1.0, an odd or zero number
