@@ -18,15 +18,12 @@ from official import load_model
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-def stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, generator,
-                out=None):
-    """Print the continuation as it is generated; returns the generated ids. Stops at the
+def stream_text(tokens, tokenizer, out=None):
+    """Print the text of `tokens` (model.stream's) as they come; returns their ids. Stops at the
     end-of-text token. Text is printed up to the last whole character, so that a multi-byte
     character split across tokens shows once, whole."""
-    out = out or sys.stdout
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=model.embed.weight.device)
-    ids, shown = [], 0
-    for token in model.stream(idx, max_new_tokens, temperature, top_k, generator):
+    out, ids, shown = out or sys.stdout, [], 0  # (sys.stdout now: a test may have replaced it)
+    for token in tokens:
         if int(token[0]) == tokenizer.eos_id:
             break
         ids.append(int(token[0]))
@@ -64,13 +61,15 @@ def main(
         model, tokenizer = model.to(device), load_tokenizer(meta["tokenizer"], out_dir)
         # a model wider than its tokenizer (train.py --vocab-size) must not sample ids without text
         model.config.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
+        # no prompt: a new document, which starts after an end-of-text token
         prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id]
+        idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
         for i in range(num_samples):
             if num_samples > 1:
                 print(f"--- sample {i + 1} (step {step})")
             sys.stdout.write(prompt)
-            stream_text(model, tokenizer, prompt_ids, max_new_tokens, temperature, top_k, generator)
+            stream_text(model.stream(idx, max_new_tokens, temperature, top_k, generator), tokenizer)
 
 
 if __name__ == "__main__":
