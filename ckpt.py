@@ -1,20 +1,19 @@
 """Checkpoints: atomic save, discovery, verified load, retention, and the one writer's lock.
 
-Step N of a run is three files in its directory, the meta recording the others' bytes and sha256 under "files":
-    model_step_N.safetensors   the unwrapped model's weights (a tied tensor is written under each name, as a copy)
-    optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, for torch.load(weights_only=True)
+Step N of a run is three files; the meta records the other two's bytes and sha256:
+    model_step_N.safetensors   the unwrapped model's weights (a tied tensor under each name)
+    optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, weights_only
     meta_step_N.json           the caller's meta + step, time, versions, model_config, files
 
-save refuses what it can before it writes a byte. It writes each file under a temporary name (".NAME.tmp") and
-fsyncs it, then renames the data files into place and the meta last, as the commit, fsyncing the directory after
-each rename: a kill at any instant leaves the earlier steps and either all of the new one or nothing that counts,
-and the next save removes what it left. One process writes a directory, holding lock(dir); any number may read.
-A step counts when its files have the sizes its meta records; load checks their sha256 too, before it changes
-anything. A step that fails is reported and skipped (load_latest falls back to an older one), never deleted.
+Each file goes to a temporary name (".NAME.tmp") and is fsynced; the data files are renamed into
+place, then the meta as the commit, fsyncing the directory after each rename. A kill at any instant
+leaves the earlier steps and all of the new one or nothing that counts. One process writes a
+directory, holding lock(dir); any number may read. A step counts when its files have the sizes its
+meta records; load checks their sha256 too, before it changes anything. A step that fails is
+reported and skipped (load_latest falls back to an older one), never deleted.
 """
 import dataclasses
 import fcntl
-import hashlib
 import json
 import math
 import os
@@ -32,17 +31,19 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from data import fsync, sha256
+
 
 class CheckpointError(Exception):
-    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model it is loaded into."""
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
 
 
 class CorruptCheckpoint(CheckpointError):
-    """The files of a step cannot be trusted (hash mismatch, unreadable): load_latest tries an older step."""
+    """A step's files cannot be trusted (hash mismatch, unreadable): load_latest tries older ones."""
 
 
 STEP_FILE = re.compile(r"(?:model|optim|meta)_step_(0|[1-9][0-9]*)\.(?:safetensors|pt|json)")
-_written = set()  # (directory, step) saved by this process: known good, so retention need not re-hash them
+_written = set()  # (directory, step) saved by this process: known good, retention need not re-hash
 _warned = set()  # what list_steps skipped, reported once per process
 
 
@@ -51,26 +52,29 @@ def _names(step):
 
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
-    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the three paths.
-    keep_last=K then deletes all but the K highest steps, never the one just written nor one that fails to verify."""
-    if type(step) is not int or step < 0:
+    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
+    three paths. keep_last=K then deletes all but the K highest steps, never the one just written
+    nor one that fails to verify."""
+    if type(step) is not int or step < 0:  # another type would make a name list_steps never finds
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
         raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
     module = _unwrap(model)
-    meta = dict(meta or {}, step=step, time=time.time(), versions={"torch": torch.__version__, "numpy": np.__version__,
-                "python": platform.python_version(), "safetensors": safetensors.__version__})
+    versions = {m.__name__: m.__version__ for m in (torch, np, safetensors)}
+    versions["python"] = platform.python_version()
+    meta = dict(meta or {}, step=step, time=time.time(), versions=versions)
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
     _check_json(meta, "meta")
     tensors = _independent(module.state_dict())
-    # the current CUDA device's RNG only: asking for all would create a context on every GPU from rank 0
+    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
     numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
     rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
     optim = {"optimizer": None if optimizer is None else optimizer.state_dict(), "rng": rng}
     _check_plain(optim, "optimizer file")
+
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
     tmp = {name: d / f".{name}.tmp" for name in _names(step)}  # never a step's name
     writers = {model_name: lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"}),
@@ -78,21 +82,21 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     try:
         d.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(d)
-        with ThreadPoolExecutor(2) as pool:  # two independent files; writing and sha256 release the GIL
-            meta["files"] = dict(zip(writers, pool.map(_write, [tmp[name] for name in writers], writers.values())))
+        with ThreadPoolExecutor(2) as pool:  # independent files; writing and hashing free the GIL
+            meta["files"] = dict(zip(writers, pool.map(_write, map(tmp.get, writers), writers.values())))
         _write(tmp[meta_name], lambda p: p.write_text(json.dumps(meta, indent=2)))
-        if (d / meta_name).exists():  # re-saving: un-commit first, so that no crash pairs the old meta with new data
+        if (d / meta_name).exists():  # re-saving: un-commit, no crash pairs old meta, new data
             (d / meta_name).unlink()
-            _fsync(d)
-        for name in _names(step):  # the meta last, as the commit, once the data files' names are durable
+            fsync(d)
+        for name in _names(step):  # the meta last, as the commit, once the data files are durable
             os.replace(tmp[name], d / name)
-            _fsync(d)
-    except (OSError, RuntimeError, safetensors.SafetensorError) as e:
+            fsync(d)
+    except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
         for p in tmp.values():
             p.unlink(missing_ok=True)
-        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "it cannot be created"
-        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. Free disk space or "
-                              f"fix the permissions; the checkpoints already there are untouched") from None
+        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "no directory"
+        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. Free "
+                              f"space or fix permissions; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))
     if keep_last is not None:
         _retain(d, keep_last, step)
@@ -100,95 +104,88 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
 
 
 def _unwrap(model):
-    # DDP keeps the model in `.module`, torch.compile in `._orig_mod`, and they nest; a wrapper has that one child
+    # DDP keeps the model in `.module`, torch.compile in `._orig_mod`, and they nest; a wrapper has
+    # just that one child, unlike a model that happens to have a submodule called `module`
     inner = getattr(model, "_orig_mod", getattr(model, "module", None))
-    return _unwrap(inner) if isinstance(inner, torch.nn.Module) and list(model.children()) == [inner] else model
+    wrapper = isinstance(inner, torch.nn.Module) and list(model.children()) == [inner]
+    return _unwrap(inner) if wrapper else model
 
 
 def _independent(state):
-    # safetensors refuses tensors that share memory (a tied embedding and head): write later ones as copies
+    # safetensors refuses tensors that share memory (the tied embedding and head): write copies
     seen, out = set(), {}
     for name, t in state.items():
         ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen else t.contiguous()  # state_dict() gives detached tensors
+        out[name] = t.clone() if ptr in seen else t.contiguous()  # state_dict() detaches them
         seen.add(ptr)
     return out
 
 
 def _check_json(x, where):
-    # json.dumps would quietly turn int keys into strings and write NaN (not JSON): refused now, not at resume
+    # json.dumps would quietly turn int keys into strings and write NaN (not JSON): refused now,
+    # not at the resume that could not read it
     if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(isinstance(k, str) for k in x):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
             _check_json(v, f"{where}[{k!r}]")
-    elif not (x is None or isinstance(x, (str, bool, int)) or isinstance(x, float) and math.isfinite(x)):
-        raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which JSON cannot hold exactly; store "
-                              f"plain values (finite floats, str keys) before saving")
+    elif not (x is None or isinstance(x, (str, int)) or isinstance(x, float) and math.isfinite(x)):
+        raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which JSON cannot "
+                              f"hold exactly; store plain values (finite floats, str keys)")
 
 
 def _check_plain(x, where):
-    # weights_only=True unpickles tensors and plain values only: anything else is refused now, not at resume
+    # weights_only=True unpickles tensors and plain values only: anything else is refused now
     if type(x) in (list, tuple, dict):
         for k, v in x.items() if type(x) is dict else enumerate(x):
             _check_plain(k, f"{where} key")
             _check_plain(v, f"{where}[{k!r}]")
-    elif not (x is None or isinstance(x, (str, bool, int, float, torch.Tensor, torch.dtype, torch.device, torch.Size))):
-        raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} would not load with weights_only=True")
+    elif not (x is None or isinstance(x, (str, int, float, torch.Tensor, torch.dtype, torch.device,
+                                          torch.Size))):
+        raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} fails weights_only=True")
 
 
 def _write(tmp, write):
     # write(tmp), then fsync it while hashing it (measured: a third faster than one after the other)
     write(tmp)
     with ThreadPoolExecutor(2) as pool:
-        _, sha256 = pool.map(lambda f: f(tmp), [_fsync, _sha256])
-    return {"bytes": tmp.stat().st_size, "sha256": sha256}
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)  # a file's data, or a directory's renames, are durable only once fsynced
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        _, digest = pool.map(lambda f: f(tmp), [fsync, sha256])
+    return {"bytes": tmp.stat().st_size, "sha256": digest}
 
 
 def _remove_leftovers(d):
-    # What killed saves and retentions leave: temporary files, and the data files of a step without a meta.
-    # Only the one writer of d calls this, so none of it can be a save in progress.
-    orphans = [p for ps in step_files(d).values() if not any(p.suffix == ".json" for p in ps) for p in ps]
+    # What killed saves and retentions leave: temporary files, and the data files of a step without
+    # a meta. Only the one writer of d calls this, so none of it can be a save in progress.
+    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps) for p in ps]
     for p in orphans + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
         p.unlink()
 
 
 def _retain(d, keep_last, just_written):
     for step in [s for s in list_steps(d)[:-keep_last] if s != just_written]:
-        if (d.resolve(), step) not in _written:  # a step this process did not write goes only if it verifies
+        if (d.resolve(), step) not in _written:  # not written by this process: goes if it verifies
             try:
                 read_meta(d, step, verify=True)
             except CheckpointError as e:
                 warnings.warn(f"retention keeps {e}", stacklevel=3)
                 continue
-        for name in reversed(_names(step)):  # meta first: the step stops counting before its data goes
+        for name in reversed(_names(step)):  # meta first: the step stops counting, then its data goes
             (d / name).unlink(missing_ok=True)
 
 
 def lock(dir):
-    """Lock `dir` for its one writer (another is refused, naming this one's PID and host) until the returned file
-    is closed or the process ends, however it ends (kill -9 too)."""
+    """Lock `dir` for its one writer (another is refused, naming this one's PID and host) until the
+    returned file is closed or the process ends, however it ends (kill -9 too)."""
     d = Path(dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        f = open(d / ".lock", "a+", buffering=1)  # line-buffered: the PID line below reaches the file at once
+        f = open(d / ".lock", "a+", buffering=1)  # line-buffered: the PID line is there at once
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise CheckpointError(f"{d} is in use by another run ({(d / '.lock').read_text().strip() or 'unknown'}); "
-                              f"wait for it to finish or stop it, or use another directory") from None
+        holder = (d / ".lock").read_text().strip() or "unknown"
+        raise CheckpointError(f"{d} is in use by another run ({holder}); wait for it to finish or "
+                              f"stop it, or use another directory") from None
     except OSError as e:
-        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its permissions") from None
+        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
+                              f"permissions") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     return f
@@ -204,7 +201,7 @@ def step_files(dir):
 
 
 def list_steps(dir):
-    """The steps of `dir` that count (see read_meta), ascending; one that does not is reported and skipped."""
+    """The steps of `dir` that count (see read_meta), ascending; others are reported and skipped."""
     steps = []
     for step in sorted(step_files(dir)):
         try:
@@ -223,55 +220,65 @@ def latest_step(dir):
 
 
 def read_meta(dir, step, verify=False):
-    """The meta of `step` once its files have the sizes it records (and with verify=True, the sha256)."""
+    """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
     if not any((d / name).exists() for name in _names(step)):
-        raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {list_steps(d) or 'none'}")
+        steps = list_steps(d) or "none"
+        raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {steps}")
     where = f"step {step} in {d}"
     try:
         meta = json.loads((d / meta_name).read_text())
-        hashes = {name: meta["files"][name]["sha256"] for name in (model_name, optim_name)}  # KeyError: another step's
+        # (a KeyError: the meta of another step, or not a meta at all)
+        hashes = {name: meta["files"][name]["sha256"] for name in (model_name, optim_name)}
         for name in hashes:
             if (size := (d / name).stat().st_size) != (want := meta["files"][name]["bytes"]):
-                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} says {want}")
-    except FileNotFoundError as e:  # also when retention removes a file while we look (readers do not lock)
+                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} "
+                                      f"says {want}")
+    except FileNotFoundError as e:  # also when retention removes one as we look: readers do not lock
         raise CheckpointError(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where} is unreadable: {d / meta_name} is not a valid meta file ({e})") from None
+        raise CheckpointError(f"{where} is unreadable: {d / meta_name} is not a valid meta file "
+                              f"({e})") from None
     if verify:
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-            for name, found in zip(hashes, pool.map(_sha256, [d / name for name in hashes])):
+            for name, found in zip(hashes, pool.map(sha256, [d / name for name in hashes])):
                 if found != hashes[name]:
-                    raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 mismatch)")
+                    raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt "
+                                            "(sha256 mismatch)")
     return meta
 
 
 def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
-    """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything changes; return
-    its meta. strict=False loads the keys both have; restore_rng=True restores the torch, CUDA, Python, NumPy RNGs."""
+    """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything
+    changes; return its meta. strict=False loads the keys both have; restore_rng=True restores the
+    torch, CUDA, Python and NumPy RNGs."""
     d, module, (model_name, optim_name, _) = Path(dir), _unwrap(model), _names(step)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
     path = d / model_name  # the file being parsed, for the message
     try:
-        tensors = safetensors.torch.load_file(path)  # on the CPU: a second copy on a GPU may not fit
+        tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
         path = d / optim_name
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as e:
-        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable ({str(e)[:200]})") from None
-    own, diffs, saved = module.state_dict(), [], meta.get("model_config")
+    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
+            EOFError) as e:  # what the two libraries raise for bytes that are not their format
+        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
+                                f"({str(e)[:200]})") from None
+    own, diffs, saved, absent = module.state_dict(), [], meta.get("model_config"), "<absent>"
     if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
-        live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists, as saved
-        diffs = [f"{k}: checkpoint {saved.get(k, '<absent>')!r}, model {live.get(k, '<absent>')!r}"
-                 for k in sorted(saved.keys() | live.keys()) if saved.get(k, "<absent>") != live.get(k, "<absent>")]
+        live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists
+        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
+                 for k in sorted(saved.keys() | live.keys()) if saved.get(k, absent) != live.get(k, absent)]
     diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]
     diffs += [f"{k}: not in the model" for k in sorted(tensors.keys() - own.keys())]
     shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
               for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
     if shapes or (diffs and strict):  # a shape that differs is an error even with strict=False
-        raise CheckpointError(f"{where} does not fit the model: {'; '.join(diffs + shapes)}. Build the model from "
-                              f"its meta['model_config'], or where shapes agree strict=False loads the keys both have")
+        raise CheckpointError(f"{where} does not fit the model: {'; '.join(diffs + shapes)}. Build "
+                              f"the model from its meta['model_config'], or where shapes agree "
+                              f"strict=False loads the keys both have")
     if diffs:
-        warnings.warn(f"{where} is from another model, loading the keys both have: {'; '.join(diffs)}", stacklevel=2)
+        warnings.warn(f"{where} is from another model, loading the keys both have: "
+                      f"{'; '.join(diffs)}", stacklevel=2)
     if optimizer is not None:
         if state["optimizer"] is None:
             raise CheckpointError(f"{where} was saved without optimizer state")
@@ -279,27 +286,23 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: {e}") from None
-    module.load_state_dict(tensors, strict=False)  # copies in place: parameters tied to each other stay tied
+    module.load_state_dict(tensors, strict=False)  # copies in place: tied parameters stay tied
     if restore_rng:  # the setters want CPU byte tensors, wherever map_location put them
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(tuple(state["rng"]["numpy"].values()))  # in the order np.random.get_state() gave them
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"].cpu())
+        random.setstate(rng["python"])
+        np.random.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
     return meta
 
 
 def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
-    """Load the newest step that verifies: (step, meta), or (None, None). A corrupt step falls back to an older
-    one; a step that does not fit the model is an error, since older steps of the run would not fit either."""
+    """Load the newest step that verifies: (step, meta), or (None, None). A corrupt step falls back
+    to an older one; a step that does not fit the model is an error (older ones would not either)."""
     for step in reversed(list_steps(dir)):
         try:
             return step, load(dir, step, model, optimizer, map_location, strict, restore_rng)
         except CorruptCheckpoint as e:
             warnings.warn(f"{e}; trying an earlier step", stacklevel=2)
     return None, None
-
-
-if __name__ == "__main__":  # python ckpt.py export RUN_DIR OUT_DIR: the official mamba_ssm format is official.py's
-    from official import app
-    app()

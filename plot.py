@@ -1,12 +1,13 @@
-"""Plot training runs from their metrics.jsonl: loss, learning rate and throughput against tokens seen.
+"""Plot training runs from their metrics.jsonl: loss, learning rate and throughput against tokens.
 
     python plot.py out --out run.png                     # one run
-    python plot.py runs/small runs/tiny --out cmp.png    # several, overlaid, each named by its directory
+    python plot.py runs/small runs/tiny --out cmp.png    # several, overlaid, named by directory
 
-A run directory is a train.py --out-dir: metrics.jsonl holds one JSON object per line ("kind" train, eval or
-event, and the "step"), config.json the tokens per step (total_batch_size), from which the tokens seen at a step
-follow unless a record carries its own "tokens". A resumed run can log the same step twice (the steps redone
-after a crash): the later record wins. Drawn with matplotlib's Agg backend, so no display is needed.
+A run directory is a train.py --out-dir: metrics.jsonl holds one JSON object per line ("kind"
+train, eval or event, and the "step"), each train and eval record the "tokens" seen (older runs'
+records do not: then config.json's total_batch_size, the tokens per step, gives them). A resumed
+run can log the same step twice (the steps redone after a crash): the later record wins. Drawn with
+matplotlib's Agg backend, so no display is needed.
 """
 import json
 from pathlib import Path
@@ -20,7 +21,8 @@ import typer  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.ticker import EngFormatter  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
+
+from data import cli_errors  # noqa: E402
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -30,27 +32,29 @@ class PlotError(ValueError):
 
 
 def read_metrics(run_dir: Path) -> dict:
-    """{"train": [record, ...], "eval": [...]} of one run, sorted by step, one record per step (the last one
-    logged), each with its "tokens" seen."""
+    """{"train": [record, ...], "eval": [...]} of one run, sorted by step, one record per step (the
+    last one logged), each with its "tokens" seen."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise PlotError(f"{run_dir}: expected a train.py run directory holding metrics.jsonl, found none")
+        raise PlotError(f"{run_dir}: expected a train.py run directory holding metrics.jsonl, "
+                        f"found none")
     by_step = {"train": {}, "eval": {}}
-    with open(path, encoding="utf-8", errors="replace") as f:  # a line that is not text fails as invalid JSON
+    # errors="replace": a line that is not text fails below, as invalid JSON, with its number
+    with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found invalid JSON "
-                                f"({e})") from None
+                raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found invalid "
+                                f"JSON ({e})") from None
             kind = rec.get("kind") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or (kind in by_step and not isinstance(rec.get("step"), int)):
-                raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records with an integer "
-                                f"step), found {line[:80]!r}")
+            if not isinstance(rec, dict) or kind in by_step and not isinstance(rec.get("step"), int):
+                raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
+                                f"with an integer step), found {line[:80]!r}")
             if kind in by_step:
-                by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's record
+                by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     per_step = None  # tokens per step, read only when a record does not carry its tokens
     for rec in metrics["train"] + metrics["eval"]:
@@ -65,27 +69,30 @@ def tokens_per_step(run_dir: Path) -> int:
     try:
         n = json.loads(path.read_text()).get("total_batch_size")
     except (OSError, ValueError, AttributeError) as e:
-        raise PlotError(f"{path}: expected train.py's config with total_batch_size (tokens per step), "
-                        f"could not read it ({e})") from None
+        raise PlotError(f"{path}: expected train.py's config with total_batch_size (tokens per "
+                        f"step), could not read it ({e})") from None
     if not isinstance(n, int) or n < 1:
-        raise PlotError(f"{path}: expected total_batch_size to be a positive number of tokens, found {n!r}")
+        raise PlotError(f"{path}: expected total_batch_size to be a positive number of tokens, "
+                        f"found {n!r}")
     return n
 
 
 def series(records, key):
-    """(tokens, values) of one metric; a missing or null value (a window of skipped steps) is a gap."""
-    return [r["tokens"] for r in records], [float("nan") if r.get(key) is None else r[key] for r in records]
+    """(tokens, values) of one metric; a missing or null value (skipped steps only) is a gap."""
+    values = [float("nan") if r.get(key) is None else r[key] for r in records]
+    return [r["tokens"] for r in records], values
 
 
 def plot(runs: dict, out: Path):
-    """Draw {name: read_metrics(...)} as three panels sharing the tokens axis and save the figure to `out`."""
+    """Draw {name: read_metrics(...)} as three panels sharing the tokens axis, saved to `out`."""
     fig, (ax_loss, ax_lr, ax_speed) = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
                                                    gridspec_kw={"height_ratios": [2, 1, 1]})
     for i, (name, m) in enumerate(runs.items()):
         color = f"C{i}"
         ax_loss.plot(*series(m["train"], "loss"), color=color, label=f"{name} train")
         if m["eval"]:
-            ax_loss.plot(*series(m["eval"], "val_loss"), color=color, ls="--", marker="o", ms=4, label=f"{name} val")
+            ax_loss.plot(*series(m["eval"], "val_loss"), color=color, ls="--", marker="o", ms=4,
+                         label=f"{name} val")
         ax_lr.plot(*series(m["train"], "lr"), color=color)
         ax_speed.plot(*series(m["train"], "tok_per_s"), color=color)
     ax_loss.set(ylabel="loss", title="loss (solid: train, dashed: validation)")
@@ -103,27 +110,26 @@ def plot(runs: dict, out: Path):
 
 @app.command()
 def main(
-    run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR", help="train.py run directories (--out-dir), "
-                                          "each with metrics.jsonl; several are overlaid, labelled with their "
-                                          "directory names."),
-    out: Path = typer.Option(..., "--out", "-o", help="The image to write: .png (or another format matplotlib "
-                             "writes, by its suffix: .svg, .pdf)."),
+    run_dirs: List[Path] = typer.Argument(..., metavar="RUN_DIR", help="train.py run directories "
+                                          "(--out-dir), each with metrics.jsonl; several are "
+                                          "overlaid, labelled with their directory names."),
+    out: Path = typer.Option(..., "--out", "-o", help="The image to write: .png (or another format "
+                             "matplotlib writes, by its suffix: .svg, .pdf)."),
 ):
-    """Plot train and validation loss, learning rate and tokens/s against tokens seen, for one run or several."""
-    try:
+    """Plot train and validation loss, learning rate and tokens/s against tokens seen, for one run
+    or several."""
+    with cli_errors(PlotError):
         if not out.parent.is_dir():
-            raise PlotError(f"--out {out}: expected a file in an existing directory, found no directory {out.parent}")
+            raise PlotError(f"--out {out}: expected a file in an existing directory, found no "
+                            f"directory {out.parent}")
         formats = FigureCanvasBase.get_supported_filetypes()
         if out.suffix[1:].lower() not in formats:
             raise PlotError(f"--out {out}: expected an image suffix ({', '.join(sorted(formats))}), "
                             f"found {out.suffix or 'none'}")
         names = [p.resolve().name for p in run_dirs]
-        if len(set(names)) < len(names):  # runs/a/out and runs/b/out: tell them apart by the paths given
+        if len(set(names)) < len(names):  # runs/a/out and runs/b/out: the paths tell them apart
             names = [str(p) for p in run_dirs]
         plot({name: read_metrics(p) for name, p in zip(names, run_dirs)}, out)
-    except PlotError as e:
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
-        raise typer.Exit(2)
     Console(highlight=False).print(f"wrote {out}", markup=False)
 
 

@@ -1,14 +1,18 @@
-"""official.py, the official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained builds and loads,
-read_pretrained brings it (or a run directory) back bit for bit, and bad input is refused without damage."""
+"""official.py, the official mamba_ssm format: export writes what MambaLMHeadModel.from_pretrained
+builds and loads, read_pretrained brings it (or a run directory) back bit for bit, and bad input is
+refused without damage."""
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -18,19 +22,22 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import ckpt
+import data
 import official
 from ckpt import CheckpointError
-from model import Mamba3LM, ModelConfig
 from data import ByteTokenizer
+from model import Mamba3LM, ModelConfig
 
-# two groups and a vocabulary that is not a multiple of 64, so the group layout and the padding are exercised
-CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2, mlp_hidden=128,
-                     chunk_size=16)
+ROOT = Path(__file__).resolve().parent.parent
+
+# two groups and a vocabulary that is not a multiple of 64: the group layout and padding are tested
+CONFIG = ModelConfig(vocab_size=257, n_layer=2, d_model=64, headdim=16, d_state=16, ngroups=2,
+                     mlp_hidden=128, chunk_size=16)
 
 
 def make_run(run_dir, config=CONFIG, steps=(3,), tokenizer={"name": "byte"}, seed=0):
-    """A run directory with `steps` checkpoints of a random model whose every parameter is perturbed (so no norm
-    weight, bias or D is left at its initial ones). Returns the model of the last step."""
+    """A run directory with `steps` checkpoints of a random model whose every parameter is perturbed
+    (so no norm weight, bias or D is left at its initial ones). Returns the last step's model."""
     torch.manual_seed(seed)
     model = Mamba3LM(config)
     for step in steps:
@@ -42,13 +49,14 @@ def make_run(run_dir, config=CONFIG, steps=(3,), tokenizer={"name": "byte"}, see
 
 
 def official_layout(c):
-    """Key -> shape of the state dict that mamba_ssm's MambaLMHeadModel(MambaConfig(**c)) creates, written from
-    reading its modules: a MixerModel `backbone` (embedding, layers, norm_f) and a tied `lm_head`; the
-    vocabulary rounded up to pad_vocab_size_multiple; each layer a Block with `norm` (RMSNorm, weight only),
-    a Mamba3 `mixer` and, when d_intermediate > 0, `norm2` and a GatedMLP `mlp` whose hidden size is
-    d_intermediate rounded up to 128 and whose fc1 makes both halves. The Mamba3 in_proj makes z and x
-    (d_inner each), B and C (ngroups * d_state each, times the MIMO rank, 1 here), dd_dt, dd_A and trap (one
-    per head each) and the rotary angles: d_state * rope_fraction, made even, in pairs."""
+    """Key -> shape of the state dict that mamba_ssm's MambaLMHeadModel(MambaConfig(**c)) creates,
+    written from reading its modules: a MixerModel `backbone` (embedding, layers, norm_f) and a tied
+    `lm_head`; the vocabulary rounded up to pad_vocab_size_multiple; each layer a Block with `norm`
+    (RMSNorm, weight only), a Mamba3 `mixer` and, when d_intermediate > 0, `norm2` and a GatedMLP
+    `mlp` whose hidden size is d_intermediate rounded up to 128 and whose fc1 makes both halves. The
+    Mamba3 in_proj makes z and x (d_inner each), B and C (ngroups * d_state each, times the MIMO
+    rank, 1 here), dd_dt, dd_A and trap (one per head each) and the rotary angles: d_state *
+    rope_fraction, made even, in pairs."""
     ssm = c["ssm_cfg"]
     D, N, G = c["d_model"], ssm["d_state"], ssm["ngroups"]
     d_inner = ssm["expand"] * D
@@ -56,15 +64,19 @@ def official_layout(c):
     S = int(N * ssm["rope_fraction"]) // 2 * 2 // 2
     V = math.ceil(c["vocab_size"] / c["pad_vocab_size_multiple"]) * c["pad_vocab_size_multiple"]
     F = math.ceil(c["d_intermediate"] / 128) * 128
-    layout = {"backbone.embedding.weight": (V, D), "lm_head.weight": (V, D), "backbone.norm_f.weight": (D,)}
+    layout = {"backbone.embedding.weight": (V, D), "lm_head.weight": (V, D),
+              "backbone.norm_f.weight": (D,)}
     for i in range(c["n_layer"]):
         p = f"backbone.layers.{i}."
-        layout.update({p + "norm.weight": (D,), p + "mixer.in_proj.weight": (2 * d_inner + 2 * G * N + 3 * H + S, D),
-                       p + "mixer.dt_bias": (H,), p + "mixer.B_bias": (H, 1, N), p + "mixer.C_bias": (H, 1, N),
-                       p + "mixer.B_norm.weight": (N,), p + "mixer.C_norm.weight": (N,), p + "mixer.D": (H,),
+        layout.update({p + "norm.weight": (D,),
+                       p + "mixer.in_proj.weight": (2 * d_inner + 2 * G * N + 3 * H + S, D),
+                       p + "mixer.dt_bias": (H,), p + "mixer.B_bias": (H, 1, N),
+                       p + "mixer.C_bias": (H, 1, N), p + "mixer.B_norm.weight": (N,),
+                       p + "mixer.C_norm.weight": (N,), p + "mixer.D": (H,),
                        p + "mixer.out_proj.weight": (D, d_inner)})
         if F:
-            layout.update({p + "norm2.weight": (D,), p + "mlp.fc1.weight": (2 * F, D), p + "mlp.fc2.weight": (D, F)})
+            layout.update({p + "norm2.weight": (D,), p + "mlp.fc1.weight": (2 * F, D),
+                           p + "mlp.fc2.weight": (D, F)})
     return layout
 
 
@@ -83,31 +95,32 @@ def test_export_is_what_the_official_model_builds(tmp_path):
     # exactly MambaConfig's fields, and Mamba3's arguments for our layer
     assert config == {
         "d_model": 64, "d_intermediate": 128, "n_layer": 2, "vocab_size": 257,
-        "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "expand": 2, "headdim": 16, "ngroups": 2, "rope_fraction": 0.5,
-                    "dt_min": 1e-3, "dt_max": 0.1, "dt_init_floor": 1e-4, "A_floor": 1e-4, "chunk_size": 16,
-                    "is_outproj_norm": False, "is_mimo": False},
-        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "ssm_cfg": {"layer": "Mamba3", "d_state": 16, "expand": 2, "headdim": 16, "ngroups": 2,
+                    "rope_fraction": 0.5, "dt_min": 1e-3, "dt_max": 0.1, "dt_init_floor": 1e-4,
+                    "A_floor": 1e-4, "chunk_size": 16, "is_outproj_norm": False, "is_mimo": False},
+        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
+        "fused_add_norm": True,
         "pad_vocab_size_multiple": 1, "tie_embeddings": True}
 
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert {k: tuple(v.shape) for k, v in state.items()} == official_layout(config)
     same = load_file(out / "model.safetensors")
     assert state.keys() == same.keys() and all(torch.equal(state[k], same[k]) for k in state)
-    # the embedding keeps exactly the vocabulary's rows; the head is the same tensor, as tie_embeddings makes it
+    # the embedding keeps exactly the vocabulary's rows; the head is the same tensor (tied)
     assert torch.equal(state["backbone.embedding.weight"], model.embed.weight[:257])
     assert state["lm_head.weight"].data_ptr() == state["backbone.embedding.weight"].data_ptr()
 
-    # the official forward of the pieces that change layout, in our words: GatedMLP splits fc1's output into
-    # (y, gate) and returns fc2(y * silu(gate)); Mamba3 squeezes the bias's rank axis
+    # the official forward of the pieces that change layout, in our words: GatedMLP splits fc1's
+    # output into (y, gate) and returns fc2(y * silu(gate)); Mamba3 squeezes the bias's rank axis
     h = torch.randn(3, 64)
     y, gate = (h @ state["backbone.layers.1.mlp.fc1.weight"].T).chunk(2, dim=-1)
     official_mlp = (y * F.silu(gate)) @ state["backbone.layers.1.mlp.fc2.weight"].T
     torch.testing.assert_close(official_mlp, model.blocks[1].mlp(h), rtol=1e-6, atol=1e-6)
     assert torch.equal(state["backbone.layers.0.mixer.C_bias"][:, 0], model.blocks[0].mixer.C_bias)
 
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "mamba3_lite.json",
-                                                     "model.safetensors", "pytorch_model.bin", "tokenizer.json",
-                                                     "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "config.json", "mamba3_lite.json", "model.safetensors", "pytorch_model.bin",
+        "tokenizer.json", "tokenizer_config.json"]
     note = (out / "README.md").read_text()
     assert f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={out}," in note
     assert "MambaLMHeadModel.from_pretrained" in note
@@ -132,8 +145,8 @@ def test_round_trip_is_bit_identical(tmp_path):
 
 
 def test_a_foreign_official_checkpoint(tmp_path):
-    """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the vocabulary is
-    padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
+    """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the
+    vocabulary is padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
     model = make_run(tmp_path / "run", dataclasses.replace(CONFIG, vocab_size=260))
     out = official.export(tmp_path / "run", tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
@@ -200,6 +213,11 @@ def test_runs_without_a_good_checkpoint(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+def entries(d):
+    """What a directory holds, less the `.NAME.lock` files data.replace_dir leaves beside OUT."""
+    return sorted(p.name for p in d.iterdir() if not p.name.endswith(".lock"))
+
+
 def test_the_export_target(tmp_path):
     make_run(tmp_path / "run", steps=(1, 2))
     foreign = tmp_path / "foreign"
@@ -219,10 +237,11 @@ def test_the_export_target(tmp_path):
     official.export(tmp_path / "run", out)  # an earlier export is replaced
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
     (out / "eval-results.json").write_text("{}")  # a user's file in an earlier export is kept
-    official.export(tmp_path / "run", out, step=1)
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=1)
     assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
     assert (out / "eval-results.json").read_text() == "{}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "foreign", "out", "run"]  # no temp dirs
+    assert entries(tmp_path) == ["empty", "file", "foreign", "out", "run"]  # no stage or old dirs
 
 
 def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
@@ -236,8 +255,8 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(torch, "save", disk_full)
-        with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space left on device\\); "
-                           f".* {out} is unchanged"):
+        with pytest.raises(CheckpointError, match=f"could not write .*pytorch_model.bin \\(No space "
+                           f"left on device\\); .* {out} is unchanged"):
             official.export(tmp_path / "run", out)
     # what torch.save and safetensors raise when the disk fills up (seen on a full 4 MB tmpfs)
     for module, name, error in [
@@ -253,16 +272,16 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
                 official.export(tmp_path / "run", out)
     rename = os.rename
 
-    def fail_the_swap(src, dst):
-        if ".export-" in str(src) and dst == out:
+    def fail_the_swap(src, dst):  # the new export's rename into place, once the old one is aside
+        if src == tmp_path / ".out.stage" and dst == out:
             raise OSError(5, "Input/output error", str(dst))
         rename(src, dst)
 
     monkeypatch.setattr(os, "rename", fail_the_swap)
-    with pytest.raises(CheckpointError, match="Input/output error"):
+    with pytest.raises(CheckpointError, match=f"Input/output error.* {out} is unchanged"):
         official.export(tmp_path / "run", out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    assert entries(tmp_path) == ["out", "run"]
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -317,7 +336,8 @@ def test_byte_tokenizer_json_is_the_byte_tokenizer():
     tok = Tokenizer.from_str(official.byte_tokenizer_json())
     tok.encode_special_tokens = True  # as tokenizer_config.json's split_special_tokens asks of transformers
     ours = ByteTokenizer()
-    for text in ["def f(x):\n    return x  # é, 漢字, 🙂\t\r\n", "  two spaces", "\x00\x7f\xff", "a<|endoftext|>b"]:
+    texts = ["def f(x):\n    return x  # é, 漢字, 🙂\t\r\n", "  two spaces", "\x00\x7f\xff", "a<|endoftext|>b"]
+    for text in texts:
         ids = tok.encode(text, add_special_tokens=False).ids
         assert ids == ours.encode(text) and tok.decode(ids) == text
     assert tok.token_to_id("<|endoftext|>") == ours.eos_id and tok.get_vocab_size() == ours.vocab_size
@@ -335,7 +355,8 @@ def test_tokenizer_files(tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert official.read_pretrained(out)[2] == spec
     (tmp_path / "run" / "tokenizer.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="tokenizer.json: missing, or not the tokenizer the run was trained with"):
+    with pytest.raises(CheckpointError, match="tokenizer.json: missing, or not the tokenizer the run "
+                       "was trained with"):
         official.export(tmp_path / "run", tmp_path / "out")
 
     make_run(tmp_path / "gpt2", tokenizer={"name": "gpt2"})
@@ -362,55 +383,91 @@ def test_cli(tmp_path):
     assert "lm_eval --model mamba_ssm --model_args pretrained=" in result.output
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "x").write_text("")
-    for args, message in ((["export", str(tmp_path / "nowhere"), str(tmp_path / "out2")], "no such directory"),
-                          (["export", str(tmp_path / "run"), str(tmp_path / "foreign")], "not an earlier export")):
+    for args, message in ((["export", str(tmp_path / "nowhere"), str(tmp_path / "out2")],
+                           "no such directory"),
+                          (["export", str(tmp_path / "run"), str(tmp_path / "foreign")],
+                           "not an earlier export")):
         result = runner.invoke(official.app, args)
         assert result.exit_code == 2 and "error:" in result.output and message in result.output
         assert "Traceback" not in result.output
+    # the README's command, in a process of its own
+    proc = subprocess.run([sys.executable, str(ROOT / "official.py"), "export", str(tmp_path / "run"),
+                           str(tmp_path / "out"), "--step", "3"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern matches only itself
-def test_an_export_killed_during_its_swap_is_recovered_by_the_next(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern is itself
+def test_an_export_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, monkeypatch, name):
     make_run(tmp_path / "run", steps=(1, 2))
     out = official.export(tmp_path / "run", tmp_path / name, step=1)
     (out / "eval-results.json").write_text("{}")
     first = {p.name: p.read_bytes() for p in out.iterdir()}
-    dead = 2 ** 22 + 1  # above Linux's largest PID: no process has it
-    # killed between its two renames: no OUT, the earlier export in .OUT.old-PID, the new one complete beside it
-    os.rename(out, tmp_path / f".{name}.old-{dead}")
-    shutil.copytree(tmp_path / f".{name}.old-{dead}", tmp_path / f".{name}.export-{dead}")
-    official._recover(out)
+    stage, old = tmp_path / f".{name}.stage", tmp_path / f".{name}.old"
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # killed between its two renames: no OUT, the earlier export in .OUT.old, the new one beside it.
+    # The next export puts the earlier one back first: here it fails, and leaves that one in place.
+    os.rename(out, old)
+    shutil.copytree(old, stage)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", disk_full)
+        unchanged = f"No space left on device.* {re.escape(str(out))} is unchanged"
+        with pytest.raises(CheckpointError, match=unchanged):
+            official.export(tmp_path / "run", out, step=2)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
-    # the same under our own PID: a killed export's, come round again (in a container every process is PID 1)
-    os.rename(out, tmp_path / f".{name}.old-{os.getpid()}")
-    official._recover(out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
-    # killed after the second rename, with the user's file still in the old one: the next export finishes the swap
-    old = tmp_path / f".{name}.old-{dead}"
+    assert entries(tmp_path) == sorted([name, "run"])
+    # killed while it wrote its stage: the stage is dropped, the export goes ahead
+    stage.mkdir()
+    (stage / "pytorch_model.bin").write_bytes(b"half")
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=2)
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
+    assert entries(tmp_path) == sorted([name, "run"])
+    # killed after the second rename, with the user's file still in the old one: the next export
+    # finishes the swap, and the user's file moves into the new one
     shutil.copytree(out, old)
     (out / "eval-results.json").unlink()
-    official.export(tmp_path / "run", out, step=2)
+    with pytest.warns(UserWarning, match="kept eval-results.json"):
+        official.export(tmp_path / "run", out, step=1)
     assert (out / "eval-results.json").read_text() == "{}"
-    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "run"])
-    # a running export's files are left alone
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    running = tmp_path / f".{name}.old-{child.pid}"
-    running.mkdir()
-    official._recover(out)
-    child.kill()
-    child.wait()
-    assert running.is_dir()
-    # its PID another user's live process (os.kill says EPERM): left alone too, and the export still runs
-    running.rename(old)
-    kill = os.kill
+    assert json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+    assert entries(tmp_path) == sorted([name, "run"])
 
-    def another_users(pid, sig):
-        if pid == dead:
-            raise PermissionError(1, "Operation not permitted")
-        kill(pid, sig)
 
-    monkeypatch.setattr(os, "kill", another_users)
-    official.export(tmp_path / "run", out, step=1)
-    assert old.is_dir() and json.loads((out / "mamba3_lite.json").read_text())["step"] == 1
+def test_an_export_in_progress_is_left_alone(tmp_path):
+    make_run(tmp_path / "run")
+    out = official.export(tmp_path / "run", tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    stage = tmp_path / ".out.stage"
+    stage.mkdir()  # what the running export has written so far
+    with open(tmp_path / ".out.lock", "a") as held:  # as a running export holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(data.DataError, match=f"{out} is being written by another process"):
+            official.export(tmp_path / "run", out)
+        result = CliRunner().invoke(official.app, ["export", str(tmp_path / "run"), str(out)])
+        assert result.exit_code == 2 and "being written by another process" in result.output
+    assert stage.is_dir() and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    official.export(tmp_path / "run", out)  # released: the next export goes ahead
+    assert entries(tmp_path) == ["out", "run"]
+
+
+def test_blocks_the_official_format_cannot_hold_are_refused(tmp_path, monkeypatch):
+    class GeluMLP(torch.nn.Module):  # model.py with a plain MLP in place of SwiGLU
+        def __init__(self, cfg):
+            super().__init__()
+            self.up = torch.nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+            self.down = torch.nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+            self.scale = torch.nn.Parameter(torch.ones(cfg.mlp_hidden))
+
+        def forward(self, h):
+            return self.down(F.gelu(self.up(h)) * self.scale)
+
+    monkeypatch.setattr("model.SwiGLU", GeluMLP)
+    make_run(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="cannot be exported to the official mamba_ssm format") as e:
+        official.export(tmp_path / "run", tmp_path / "out")
+    assert ("a gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot hold "
+            "blocks.N.mlp.scale; they need blocks.N.mlp.gate.weight") in str(e.value)
+    assert os.listdir(tmp_path) == ["run"]

@@ -14,6 +14,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import ckpt
+import data
+import official
 import prepare
 import sample
 import train
@@ -80,6 +83,8 @@ def test_loss_falls_and_metrics_are_written(corpus, tmp_path):
         assert abs(r["ppl"] - math.exp(r["loss"])) < 1e-6 * r["ppl"]
     evals = records(out, "eval")
     assert [r["step"] for r in evals] == [20, 40] and evals[1]["val_loss"] < evals[0]["val_loss"]
+    # each record carries what plot.py draws it against: the tokens seen
+    assert all(r["tokens"] == r["step"] * 256 for r in train_recs + evals)
     config = json.loads((out / "config.json").read_text())
     assert config["model"] == "tiny" and config["total_batch_size"] == 256
     meta = json.loads((out / "meta_step_40.json").read_text())
@@ -191,6 +196,38 @@ def test_nonfinite_steps_are_skipped_and_a_run_of_them_rolls_back(corpus, tmp_pa
     assert len({tuple(t.flatten().tolist()) for t in seen}) == len(seen) == 24
     meta = json.loads((out / "meta_step_12.json").read_text())
     assert meta["skipped_steps"] == 4 and meta["optimizer_steps"] == 8
+
+
+def test_the_nan_guard_rules(tmp_path):
+    model, events = torch.nn.Linear(2, 2), []
+    log = lambda line, **record: events.append(record)  # noqa: E731
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    guard = train.NanGuard(limit=2, explode=10.0, out=tmp_path)
+    assert guard.finite(1.0, 1.0) and not guard.due() and guard.poison(model) is None
+    assert not guard.finite(math.nan, 1.0) and not guard.due()  # one bad step: skipped, no rollback
+    assert guard.poison(model) == "1 non-finite steps in a row"  # and not saved
+    assert guard.finite(1.0, 1.0) and guard.streak == 0  # a good step ends the streak
+    assert not guard.finite(1.0, math.inf) and not guard.finite(math.nan, 1.0) and guard.due()
+    with pytest.raises(train.TrainError, match="2 bad steps in a row at step 7 and no checkpoint"):
+        guard.roll_back(model, None, 7, log)
+
+    ckpt.save(tmp_path, 4, model, None, {})
+    with torch.no_grad():
+        model.weight.fill_(100.0)  # blown up while finite: not saved, and a rollback is due at once
+    guard = train.NanGuard(limit=5, explode=10.0, out=tmp_path)
+    assert guard.poison(model) == "the weights have exploded (max |w| 100)" and guard.due()
+    guard.roll_back(model, None, 9, log)
+    assert not guard.due() and model.weight.max() == 1.0  # step 4's weights
+    assert events == [{"kind": "event", "event": "rollback", "step": 9, "restored": 4}]
+    guard.streak = 5
+    guard.roll_back(model, None, 12, log)
+    guard.streak = 5  # the third time back to step 4 with no clean save point between: it stops
+    with pytest.raises(train.TrainError, match="rolled back to step 4 3 times in a row"):
+        guard.roll_back(model, None, 15, log)
+    guard = train.NanGuard(limit=5, explode=10.0, out=tmp_path, restored=[4, 4])
+    assert guard.poison(model) is None and guard.restored == []  # a clean save point: counts afresh
+    assert not train.NanGuard(limit=0, explode=10.0, out=tmp_path, streak=100).due()  # 0: never
 
 
 def test_rollback_without_a_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch):
@@ -307,8 +344,8 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ", "--max-new-tokens", "40",
                                         "--top-k", "1", "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
-    model, meta, step = sample.load_model(out)
-    tokenizer = sample.load_tokenizer(meta["tokenizer"], out)
+    model, meta, step = official.load_model(out)
+    tokenizer = data.load_tokenizer(meta["tokenizer"], out)
     assert step == 20
     ids = model.generate(torch.tensor([tokenizer.encode("def ")]), 40, top_k=1)[0, 4:].tolist()
     if tokenizer.eos_id in ids:
@@ -320,7 +357,6 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
 
 def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
     # a model trained with --vocab-size 2000 on byte data: an untrained one puts most mass on ids 257..1999
-    import ckpt
     from model import PRESETS
 
     model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=2000))
@@ -330,8 +366,6 @@ def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
 
 
 def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(corpus, tmp_path, monkeypatch):
-    import official
-
     src = tmp_path / "src"
     run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", src)
     official.export(src, tmp_path / "export")
