@@ -243,6 +243,33 @@ def test_demo_cli_builds_the_full_stdlib_corpus(tmp_path):
     assert r.returncode == 0 and "train" in r.stdout and "sample:" in r.stdout, r.stderr
 
 
+def test_validation_documents_do_not_favour_the_start(tmp_path, monkeypatch):
+    # A large first file (a book among short pages) is not the validation split: the documents are
+    # every 1/f-th from about 1/(2f) on. With fewer than 1/(2f) documents the last one is held out,
+    # also when it comes batches after the others and empty documents follow it.
+    monkeypatch.setattr(prepare, "BATCH_BYTES", 300)  # many batches: the choice spans them
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a-book.txt").write_text("a long first document\n" * 500)
+    for i in range(40):
+        (tmp_path / "in" / f"page{i:02d}.txt").write_text(f"page {i}\n" * 10)
+    (tmp_path / "few").mkdir()
+    for name, text in [("a.txt", "x" * 400), ("b.txt", "y" * 400), ("c.txt", "z" * 400),
+                       ("d.txt", ""), ("e.jsonl", '{"text": ""}\n' * 3)]:
+        (tmp_path / "few" / name).write_text(text)
+    for src, val_docs_want in [("in", [10, 30]), ("few", [3])]:  # 1-based document numbers
+        docs = [f.read_bytes() for f in find_inputs([tmp_path / src])]
+        docs = [d for d in docs if d and d != b'{"text": ""}\n' * 3]
+        expected = [np.array(list(d) + [256]) for d in docs]
+        outs = [tmp_path / f"{src}-{w}" for w in (1, 2)]
+        for out, workers in zip(outs, (1, 2)):
+            m = run([tmp_path / src], out, val_fraction=0.05, shard_tokens=1000, workers=workers)
+        assert sorted(n + 1 for n in val_docs(len(docs), 0.05)) == val_docs_want
+        check_output(outs[0], m, expected, 0.05, 1000)
+        assert m["splits"]["val"]["documents"] == len(val_docs_want)
+        for f in outs[0].iterdir():  # byte-identical with 2 workers
+            assert f.read_bytes() == (outs[1] / f.name).read_bytes(), f.name
+
+
 # -----------------------------------------------------------------------------
 # Parquet input
 
