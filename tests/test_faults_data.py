@@ -4,6 +4,7 @@ verifies after it."""
 import gzip
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -53,7 +54,8 @@ def hidden(directory):
 
 @pytest.fixture(scope="module")
 def big_jsonl(tmp_path_factory):
-    """~20 MB of short jsonl documents: seconds of work for two workers, so a signal lands mid-run."""
+    """~20 MB of short jsonl documents: seconds of work for two workers, so that a signal lands
+    mid-run."""
     path = tmp_path_factory.mktemp("big") / "big.jsonl"
     path.write_bytes(b'{"text": "a short document, one of very many"}\n' * 400_000)
     return path
@@ -128,7 +130,8 @@ def test_an_interrupt_in_process_unwinds_and_the_next_run_works(tmp_path, monkey
     monkeypatch.setattr(prepare.ShardWriter, "add", real)
     prepare.prepare(prepare.find_inputs([src]), out, "byte", shard_tokens=10_000, workers=2,
                     log=lambda *a: None)
-    assert prepare.verify(out) == [] and len(data.read_manifest(out)["splits"]["train"]["shards"]) == 1
+    assert prepare.verify(out) == []
+    assert len(data.read_manifest(out)["splits"]["train"]["shards"]) == 1
 
 
 # -----------------------------------------------------------------------------
@@ -201,7 +204,8 @@ def test_an_odd_sized_token_file_names_data_dtype(corpus, tmp_path):
     out = run("--data", path, "--data-dtype", "uint32", *BASE, "--max-steps", 1, "--out-dir",
               tmp_path / "run", expect=2)
     out = " ".join(out.split())
-    assert f"{path}: expected a whole number of uint32 tokens (4 bytes each), found 2002 bytes" in out
+    assert f"{path}: expected a whole number of uint32 tokens (4 bytes each), found 2002 " \
+           "bytes" in out
     assert "wrong --data-dtype, or a truncated file?" in out and "Traceback" not in out
 
 
@@ -229,7 +233,7 @@ def test_an_indivisible_batch_names_the_flags(corpus, tmp_path):
 def test_a_jsonl_text_field_that_is_not_a_string_says_what_it_is(tmp_path, value, kind):
     out, before = prepared(tmp_path)
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value, "id": 2}) + "\n")
+    src.write_text("".join(json.dumps(r) + "\n" for r in ({"text": "fine"}, {"text": value})))
     r = subprocess.run(PREPARE + [str(src), "--out-dir", str(out), "--tokenizer", "byte"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -241,7 +245,8 @@ def test_a_jsonl_text_field_that_is_not_a_string_says_what_it_is(tmp_path, value
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m["splits"]["train"]["shards"][0].update(tokens="12"),
      'expected splits.train.shards[0].tokens to be a whole number >= 0, found "12"'),
-    (lambda m: m.update(vocab_size=None), "expected vocab_size to be a whole number >= 1, found null"),
+    (lambda m: m.update(vocab_size=None),
+     "expected vocab_size to be a whole number >= 1, found null"),
     (lambda m: m["splits"]["val"].update(max_token_id=3.5),
      "expected splits.val.max_token_id to be a whole number >= 0, found 3.5"),
     (lambda m: m.pop("eos_id"), "expected eos_id to be a whole number >= 0, found no such field"),
@@ -297,7 +302,8 @@ def test_outputs_are_written_with_the_users_umask(tmp_path, umask, mode, dir_mod
     old = os.umask(umask)
     try:
         prepare.prepare(prepare.find_inputs([tmp_path / "src"]), tmp_path / "out",
-                        str(tmp_path / "tok.json"), val_fraction=0.1, workers=1, log=lambda *a: None)
+                        str(tmp_path / "tok.json"), val_fraction=0.1, workers=1,
+                        log=lambda *a: None)
     finally:
         os.umask(old)
     files = [*(tmp_path / "out").iterdir(), tmp_path / ".out.lock"]
@@ -305,3 +311,14 @@ def test_outputs_are_written_with_the_users_umask(tmp_path, umask, mode, dir_mod
         p.name for p in files}
     assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: mode for p in files}
     assert (tmp_path / "out").stat().st_mode & 0o777 == dir_mode
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork", reason="patches forked workers")
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    # the kernel's out-of-memory killer, say: the parent sees the pipe close, and stops cleanly
+    out, before = prepared(tmp_path)
+    monkeypatch.setattr(prepare, "_encode_batch", lambda *args: os._exit(9))  # in the workers
+    with pytest.raises(data.DataError, match="a tokenizer process died; rerun with fewer"):
+        prepare.prepare(prepare.find_inputs([tmp_path / "out-src"]), out, "byte", workers=2,
+                        log=lambda *a: None)
+    assert fingerprint(out) == before and hidden(tmp_path) == [".out.lock"]
