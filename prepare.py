@@ -691,7 +691,12 @@ def info(directory, sample_tokens=300):
 # -----------------------------------------------------------------------------
 # command line: `prepare.py [INPUT ...]`, `prepare.py verify DIR`, `prepare.py info DIR`
 
-console = Console(soft_wrap=True)  # lines are not cut at 80 columns when stdout is a file or pipe
+console = Console()
+
+
+def say(text):
+    """A line on stdout, as it is: not cut at 80 columns when stdout is a file or a pipe."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 class Terminated(BaseException):
@@ -746,12 +751,12 @@ def main(
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
-            console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
-                          "standard library")
+            say(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
+                "standard library")
             if options["val_fraction"] is None:
                 options["val_fraction"] = 0.01
         prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), progress=True,
-                log=lambda s: console.print(s, markup=False, highlight=False), **options)
+                log=say, **options)
 
 
 # the flags are main's own three and then Options' fields, written once
@@ -769,7 +774,7 @@ def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output 
         for p in problems:
             errors.print(f"  - {p}")
         raise typer.Exit(2)
-    console.print(f"{directory}: all shards match the manifest", markup=False)
+    say(f"{directory}: all shards match the manifest")
 
 
 def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
@@ -783,13 +788,12 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
         table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])),
                       str(s["max_token_id"]))
     console.print(table)
-    plain = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
-    plain(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
+    say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
           f"dtype {m['dtype']}")
-    plain(f"stats {m.get('stats', {})}")
-    plain("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
+    say(f"stats {m.get('stats', {})}")
+    say("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
     if sample is not None:
-        plain(sample)
+        say(sample)
 
 
 if __name__ == "__main__":
