@@ -305,12 +305,14 @@ def _worker(conn, parents_end, spec, directory):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _workers while it forked
     parents_end.close()  # so that recv() ends (EOFError) when the parent is gone
     _load_tokenizer(spec, directory)
-    with contextlib.suppress(EOFError):
-        while (task := conn.recv()) is not None:
+    with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is gone: so is the work
+        while True:
+            task = conn.recv()
             try:
-                conn.send(_encode_batch(*task))
+                result = _encode_batch(*task)
             except Exception as e:  # raised again in the parent
-                conn.send(e)
+                result = e
+            conn.send(result)
 
 
 @contextlib.contextmanager
@@ -356,7 +358,10 @@ def _encoded(files, dtype, conns, text_field):
     pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
     for k, (items, origins) in enumerate(batches):
         done = _result(*pending.popleft()) if len(pending) == len(conns) else None
-        conns[k % len(conns)].send((items, dtype, text_field))
+        try:
+            conns[k % len(conns)].send((items, dtype, text_field))
+        except OSError:  # a broken pipe: the worker is gone
+            raise DataError(WORKER_DIED) from None
         pending.append((origins, conns[k % len(conns)]))
         if done:
             yield done
@@ -364,12 +369,14 @@ def _encoded(files, dtype, conns, text_field):
         yield _result(*pending.popleft())
 
 
+WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
+
+
 def _result(origins, conn):
     try:
         result = conn.recv()
-    except EOFError:  # a crash, or the kernel's out-of-memory killer
-        raise DataError("a tokenizer process died; rerun with fewer --workers if memory ran "
-                        "short") from None
+    except (EOFError, OSError):  # a crash, or the kernel's out-of-memory killer
+        raise DataError(WORKER_DIED) from None
     if isinstance(result, Exception):
         raise result
     return origins, *result
