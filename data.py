@@ -21,6 +21,7 @@ here too: every tool writes files and reports errors the same way, and both prep
 shards) and sample.py (to read what a checkpoint was trained on) need the tokenizers.
 """
 import bisect
+import codecs
 import contextlib
 import fcntl
 import hashlib
@@ -47,9 +48,23 @@ from numpy.lib.stride_tricks import as_strided
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
-MANIFEST_KEYS = {"dtype", "vocab_size", "eos_id", "tokenizer", "splits"}
-SPLIT_KEYS = {"tokens", "documents", "max_token_id", "shards"}
-SHARD_KEYS = ("file", "tokens", "documents", "max_token_id", "sha256")
+# What each manifest field must hold: (in words, test). read_manifest checks them all, so that a
+# hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
+_COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
+MANIFEST_FIELDS = {
+    "dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
+    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
+    "eos_id": _COUNT,
+    "tokenizer": ("an object", lambda v: isinstance(v, dict)),
+    "splits": ("an object", lambda v: isinstance(v, dict)),
+}
+SPLIT_FIELDS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
+                "shards": ("a list", lambda v: isinstance(v, list))}
+SHARD_FIELDS = {
+    "file": ("a file name", lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""),
+    "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
+    "sha256": ("a string", lambda v: isinstance(v, str)),
+}
 
 
 class DataError(ValueError):
@@ -308,7 +323,7 @@ class TokenSource:
             if size % self.dtype.itemsize:
                 raise DataError(f"{f}: expected a whole number of {self.dtype.name} tokens "
                                 f"({self.dtype.itemsize} bytes each), found {size} bytes; wrong "
-                                "--dtype, or a truncated file?")
+                                "--data-dtype, or a truncated file?")
             if size:  # np.memmap refuses empty files, and they hold no tokens anyway
                 self.files.append(f)
                 # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
@@ -483,22 +498,27 @@ def read_manifest(directory) -> dict:
     if m.get("version") != MANIFEST_VERSION:
         raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found "
                         f"{m.get('version')!r}; a newer prepare.py?")
-    try:  # hand-edited: a key gone, a list where a dict belongs, a count written as a string
-        totals = {name: sum(x["tokens"] for x in s["shards"]) for name, s in m["splits"].items()}
-        whole = MANIFEST_KEYS <= m.keys() and m["dtype"] in ("uint16", "uint32") and all(
-            SPLIT_KEYS <= s.keys() and all(x.keys() >= set(SHARD_KEYS) for x in s["shards"])
-            for s in m["splits"].values())
-    except (AttributeError, KeyError, TypeError):
-        whole = False
-    if not whole:
-        raise DataError(f"{path}: expected splits of shard entries with numeric counts "
-                        f"({', '.join(SHARD_KEYS)}) and dtype uint16 or uint32, found another "
-                        "layout")
-    for name, total in totals.items():
-        if m["splits"][name]["tokens"] != total:
-            raise DataError(f"{path}: split {name!r} says {m['splits'][name]['tokens']} tokens, "
-                            f"but its shards add up to {total}")
+    _check_fields(path, m, MANIFEST_FIELDS, "")
+    for name, split in m["splits"].items():
+        _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
+        for i, shard in enumerate(split["shards"]):
+            _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
+        total = sum(shard["tokens"] for shard in split["shards"])
+        if split["tokens"] != total:
+            raise DataError(f"{path}: split {name!r} says {split['tokens']} tokens, but its shards "
+                            f"add up to {total}")
     return m
+
+
+def _check_fields(path, obj, fields, where):
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected {where.rstrip('.')} to be an object, found "
+                        f"{json.dumps(obj)[:60]}")
+    for key, (what, ok) in fields.items():
+        if key not in obj or not ok(obj[key]):
+            found = json.dumps(obj[key])[:60] if key in obj else "no such field"
+            raise DataError(f"{path}: expected {where}{key} to be {what}, found {found}; "
+                            "prepare.py writes manifests whole: was this one edited by hand?")
 
 
 def _prepared(p, split, dtype):
@@ -599,11 +619,34 @@ def _megatron(p, split, dtype):
     return TokenSource(prefix, [binf], token)
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv",
+                 ".html")
+
+
 def _raw_file(p, split, dtype):
     if not p.is_file():
         return None
     _one_stream(p, split, "a single token file")
+    # trained on as token ids, text would be garbage ids without a word of warning
+    found = f"a {p.suffix} file" if p.suffix.lower() in TEXT_SUFFIXES else _text_sample(p)
+    if found:
+        raise DataError(f"{p}: expected a file of token ids, found {found}, which holds text, not "
+                        f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
+                        "and pass --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
+
+
+def _text_sample(p, size=1 << 16):
+    """'UTF-8 text' when the file's first bytes are printable UTF-8 text, else None. Token ids
+    almost never are: small ids hold zero bytes, large ones bytes that are not UTF-8."""
+    with open(p, "rb") as f:
+        head = f.read(size)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
+    except UnicodeDecodeError:
+        return None
+    printable = all(c.isprintable() or c in "\t\n\r\f" for c in text)
+    return "UTF-8 text" if text and printable else None
 
 
 FORMAT_OPENERS = [  # (what it is, its opener), in the order open_tokens tries them
@@ -661,9 +704,15 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     for spec in specs:
         head, sep, tail = spec.rpartition(":")
         weighted = sep and not Path(spec).exists()  # a path may hold a colon of its own
-        if spec == "synthetic" or weighted and not tail.replace(".", "", 1).isdigit():
-            raise DataError(f"--data {spec!r}: expected a path or PATH:WEIGHT (a positive number); "
-                            "'synthetic' cannot be blended with real data")
+        if spec == "synthetic":
+            raise DataError("--data synthetic: random tokens cannot be blended with other data; "
+                            "give it alone")
+        if weighted and not tail.replace(".", "", 1).isdigit():
+            raise DataError(f"--data {spec!r}: expected a path, or PATH:WEIGHT with WEIGHT a "
+                            f"positive number, found the weight {tail!r} (and no such path)")
+        if weighted and float(tail) == 0:
+            raise DataError(f"--data {spec!r}: expected PATH:WEIGHT with a positive WEIGHT, found "
+                            "0: a source weighted 0 would never be read; leave it out")
         paths.append(head if weighted else spec)
         weights.append(float(tail) if weighted else 1.0)
     sources = [open_tokens(path, "train", dtype) for path in paths]
@@ -721,11 +770,12 @@ class Batches:
                             f"{rank}")
         per_step = micro_batch * world_size
         if global_batch % per_step:
+            good = max(1, round(global_batch / per_step)) * per_step
             raise DataError(
-                f"global batch {global_batch} sequences is not a multiple of micro_batch "
-                f"{micro_batch} x world_size {world_size} = {per_step}; pick sizes where it is "
-                "(for example a global batch of "
-                f"{max(1, round(global_batch / per_step)) * per_step})")
+                f"global batch {global_batch} sequences (--total-batch-size "
+                f"{global_batch * seq_len} / --seq-len {seq_len}) is not a multiple of micro_batch "
+                f"{micro_batch} (--batch-size) x world_size {world_size} = {per_step}; pick sizes "
+                f"where it is, for example --total-batch-size {good * seq_len} ({good} sequences)")
         self.accum_steps = global_batch // per_step
         self._num_windows = [(s.num_tokens - 1) // seq_len for s in self.sources]
         for s, n in zip(self.sources, self._num_windows):
@@ -863,7 +913,8 @@ def _blend(consumed, counts, shares, lo, B, n):
 def _blend_weights(weights, n):
     ws = [Fraction(str(w)) for w in weights or [1] * n]  # "0.7" -> 7/10 exactly
     if len(ws) != n or min(ws) <= 0:
-        raise DataError(f"Batches: expected {n} positive weights, one per source, found {weights}")
+        raise DataError(f"blend weights: expected {n} positive weights, one per source (train.py: "
+                        f"--data PATH:WEIGHT), found {weights}")
     return [w / sum(ws) for w in ws]
 
 

@@ -10,17 +10,22 @@ Inputs are files or directories (searched recursively, files sorted by path) of 
 files (one file is one document) and .jsonl files (one line is one document: its "text" field),
 each optionally gzipped, and .parquet files (one row is one document: its "text" column, read alone,
 a slice of a row group at a time; a null is an empty document); --text-field names another field or
-column. Every document is followed by the tokenizer's EOS id. Documents go, in input order, to the
-validation split when ceil(n * f) grows at document n (so the first document, and then every 1/f-th,
-when f > 0), else to train; each split is cut into shards of about --shard-tokens tokens at document
-ends. Tokenization runs in --workers processes; results come back in input order, so the output is
-byte-identical for any worker count.
+column. Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input
+order) goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
+document, the first at about 1/(2f), so that neither the start nor a large first file is favoured,
+and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than 1/(2f)
+documents, f > 0), the last document is the validation split. The rest go to train; each split is
+cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in --workers
+processes; results come back in input order, so the output is byte-identical for any worker count.
 
 The output is built in a hidden directory beside --out-dir (shards fsynced, manifest.json last) and
 put in its place only when complete (data.replace_dir), so a failure or a kill never leaves a
 half-written directory that looks valid and never loses the previous output; the next run finishes
 or undoes a swap a kill interrupted. Files you added to a previous output move into the new one.
+Ctrl-C and SIGTERM stop the command (workers included) within a second or so, exit 130 or 143,
+remove the hidden directory and leave the previous output as it was.
 """
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -29,12 +34,12 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import sysconfig
 import time
 import zlib
 from collections import deque
-from contextlib import closing
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, List, Optional
@@ -220,10 +225,11 @@ def _batched(documents):
 # tokenization, in worker processes
 
 _TOKENIZER = None  # set in each worker (and in this process when --workers 1)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _init_worker(spec, directory):
+def _load_tokenizer(spec, directory):
     global _TOKENIZER
     _TOKENIZER = load_tokenizer(spec, directory)
 
@@ -247,7 +253,12 @@ def _text_of(kind, raw, text_field):
     except json.JSONDecodeError as e:
         raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-        found = f"keys {sorted(obj)[:5]}" if isinstance(obj, dict) else type(obj).__name__
+        if not isinstance(obj, dict):
+            found = f"a JSON {_json_type(obj)}"
+        elif text_field in obj:
+            found = f"a {_json_type(obj[text_field])} in {json.dumps(text_field)}, not a string"
+        else:
+            found = f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}"
         raise ValueError(f"expected a JSON object with a string {json.dumps(text_field)} field "
                          f"(--text-field), found {found}")
     text = obj[text_field]
@@ -257,6 +268,11 @@ def _text_of(kind, raw, text_field):
         text, n = _SURROGATE.subn("\ufffd", text)
         bad += n
     return text, bad
+
+
+def _json_type(value):
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
 
 
 def _encode_batch(items, dtype, text_field):
@@ -280,24 +296,90 @@ def _encode_batch(items, dtype, text_field):
     return tokens, np.asarray(lengths, dtype=np.int64), bad, None
 
 
-def _encoded(files, dtype, pool, workers, text_field):
-    """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order, with at most
-    2 x workers batches in flight, so memory stays bounded whatever the corpus size. No pool: in
-    this process."""
+def _worker(conn, parents_end, spec, directory):
+    """A tokenizer process: batches in, their _encode_batch results out, on its own pipe."""
+    # Ctrl-C reaches every process of the terminal's group: the parent alone decides, and ends the
+    # workers with SIGTERM, which must then just end them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _workers while it forked
+    parents_end.close()  # so that recv() ends (EOFError) when the parent is gone
+    _load_tokenizer(spec, directory)
+    with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is gone: so is the work
+        while True:
+            task = conn.recv()
+            try:
+                result = _encode_batch(*task)
+            except Exception as e:  # raised again in the parent
+                result = e
+            conn.send(result)
+
+
+@contextlib.contextmanager
+def _workers(n, spec, directory):
+    """n tokenizer processes (their pipes), ended by SIGTERM however the block is left.
+
+    Not a multiprocessing.Pool: a pool worker that dies while it holds the shared task queue's
+    lock (as SIGTERM to the process group does to an idle one) makes the pool's terminate() wait
+    forever. Here no process shares a lock or a pipe with another one."""
+    ctx, procs, conns = multiprocessing.get_context(), [], []
+    # The stop signals stay blocked until every worker has set its own handlers (the mask is
+    # inherited); one that came meanwhile is raised at the unblock, inside the try.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            conns.append(mine)
+            procs.append(ctx.Process(target=_worker, args=(theirs, mine, spec, directory),
+                                     daemon=True))
+            procs[-1].start()
+            theirs.close()  # the worker's end lives in the worker alone: its death is an EOF here
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        yield conns
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join()
+        for conn in conns:
+            conn.close()
+
+
+def _encoded(files, dtype, conns, text_field):
+    """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order. Batch k goes
+    to worker k % n, one at a time each, so memory stays bounded whatever the corpus size, and a
+    result is taken (and the worker given its next batch) in turn. No conns: in this process."""
     batches = _batched(read_documents(files, text_field))
-    if pool is None:
+    if not conns:
         for items, origins in batches:
             yield origins, *_encode_batch(items, dtype, text_field)
         return
-    pending = deque()
-    for items, origins in batches:
-        pending.append((origins, pool.apply_async(_encode_batch, (items, dtype, text_field))))
-        if len(pending) >= 2 * workers:
-            origins, result = pending.popleft()
-            yield origins, *result.get()
+    pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
+    for k, (items, origins) in enumerate(batches):
+        done = _result(*pending.popleft()) if len(pending) == len(conns) else None
+        try:
+            conns[k % len(conns)].send((items, dtype, text_field))
+        except OSError:  # a broken pipe: the worker is gone
+            raise DataError(WORKER_DIED) from None
+        pending.append((origins, conns[k % len(conns)]))
+        if done:
+            yield done
     while pending:
-        origins, result = pending.popleft()
-        yield origins, *result.get()
+        yield _result(*pending.popleft())
+
+
+WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
+
+
+def _result(origins, conn):
+    try:
+        result = conn.recv()
+    except (EOFError, OSError):  # a crash, or the kernel's out-of-memory killer
+        raise DataError(WORKER_DIED) from None
+    if isinstance(result, Exception):
+        raise result
+    return origins, *result
 
 
 # -----------------------------------------------------------------------------
@@ -425,9 +507,12 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
         f"({tokens / seconds:,.0f} tokens/s, {o.workers} worker{'s' * (o.workers > 1)}): train "
         f"{train['tokens']:,} tokens in {len(train['shards'])} shards, val {val['tokens']:,} "
         "tokens")
-    if stats["undecodable_replaced"] or stats["empty_documents_skipped"]:
-        log(f"note: replaced {stats['undecodable_replaced']:,} undecodable byte sequences with "
-            f"U+FFFD; skipped {stats['empty_documents_skipped']:,} empty documents")
+    notes = [f"replaced {n:,} undecodable byte sequence{'s' * (n > 1)} with U+FFFD"
+             for n in [stats["undecodable_replaced"]] if n]
+    notes += [f"skipped {n:,} empty document{'s' * (n > 1)}"
+              for n in [stats["empty_documents_skipped"]] if n]
+    if notes:
+        log(f"note: {'; '.join(notes)}")
     return m
 
 
@@ -439,11 +524,11 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
     if tok_file:
         spec, where = {**tok.spec, "file": tok_file.name}, tok_file.parent
     if o.workers == 1:
-        _init_worker(spec, where)
+        _load_tokenizer(spec, where)
         writers, stats = _write_splits(stage, files, dtype, o, None, progress)
-    else:  # the pool starts before the progress bar's thread: forking with threads is unsafe
-        with multiprocessing.get_context().Pool(o.workers, _init_worker, (spec, where)) as pool:
-            writers, stats = _write_splits(stage, files, dtype, o, pool, progress)
+    else:  # the workers start before the progress bar's thread: forking with threads is unsafe
+        with _workers(o.workers, spec, where) as conns:
+            writers, stats = _write_splits(stage, files, dtype, o, conns, progress)
     if not writers["train"].shards:
         raise DataError(f"all {stats['documents']} documents went to the validation split, none is "
                         "left for training: give more documents or a smaller --val-fraction (0 for "
@@ -461,10 +546,11 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
     return manifest
 
 
-def _write_splits(stage, files, dtype, o, pool, show):
+def _write_splits(stage, files, dtype, o, conns, show):
     writers = {s: ShardWriter(stage, s, dtype, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
-    docs = empty = undecodable = tokens = 0
+    docs = empty = undecodable = tokens = n_val = 0
+    held = None  # a batch kept back while no document has gone to validation: its last may have to
     columns = [TextColumn("[bold]tokenizing"), BarColumn(),
                TextColumn("{task.completed}/{task.total} files"),
                TextColumn("{task.fields[docs]:,} docs"),
@@ -472,7 +558,7 @@ def _write_splits(stage, files, dtype, o, pool, show):
                TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
     t0 = time.perf_counter()
     with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
-            closing(_encoded(files, dtype, pool, o.workers, o.text_field)) as stream:
+            contextlib.closing(_encoded(files, dtype, conns, o.text_field)) as stream:
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
@@ -482,29 +568,47 @@ def _write_splits(stage, files, dtype, o, pool, show):
             empty += int((lengths == 0).sum())
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
-            if is_val.any():
-                val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
-                writers["val"].add(toks[val_tokens], lengths[is_val])
-                writers["train"].add(toks[~val_tokens], lengths[~is_val])
-            else:  # most batches: no copy
-                writers["train"].add(toks, lengths)
-            docs, tokens = docs + len(lengths), tokens + len(toks)
+            docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
             bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
                        rate=tokens / max(time.perf_counter() - t0, 1e-9))
+            if len(lengths) == 0:
+                continue
+            if held is not None:
+                _add(writers, *held)
+                held = None
+            if n_val or f == 0:
+                _add(writers, toks, lengths, is_val)
+            else:
+                held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
+    if held is not None:  # round(docs * f) is 0: the last document is the validation split
+        held[2][-1] = True
+        _add(writers, *held)
     for w in writers.values():
         w.close()
     return writers, {"documents": docs, "empty_documents_skipped": empty,
                      "undecodable_replaced": undecodable}
 
 
+def _add(writers, toks, lengths, is_val):
+    """Documents (tokens (N,), lengths (D,)) to their splits; is_val (D,) says which are
+    validation's."""
+    if is_val.any():
+        val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
+        writers["val"].add(toks[val_tokens], lengths[is_val])
+        writers["train"].add(toks[~val_tokens], lengths[~is_val])
+    else:  # most batches: no copy
+        writers["train"].add(toks, lengths)
+
+
 def _is_val(n, f: Fraction):
-    """Document n (from 0) is a validation document when ceil((n + 1) f) > ceil(n f): every prefix
-    of the corpus then holds exactly ceil(prefix * f) validation documents, the first among them."""
+    """Document n (from 0) is a validation document when round((n + 1) f) > round(n f), halves
+    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds
+    round(prefix * f) of them, spread evenly, the first at about 1 / (2f)."""
     p, q = f.numerator, f.denominator
-    return -((-(n + 1) * p) // q) > -((-n * p) // q)
+    return (2 * (n + 1) * p + q) // (2 * q) > (2 * n * p + q) // (2 * q)
 
 
 # -----------------------------------------------------------------------------
@@ -597,6 +701,39 @@ def info(directory, sample_tokens=300):
 console = Console()
 
 
+def say(text):
+    """A line on stdout, as it is: not cut at 80 columns when stdout is a file or a pipe."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that it unwinds as Ctrl-C's KeyboardInterrupt does."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _stoppable(out: Path):
+    """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143: on the way out
+    replace_dir removes the stage and _workers ends the workers."""
+    manifest = out / MANIFEST
+    before = manifest.read_bytes() if manifest.is_file() else None
+    handler = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as e:
+        what, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C (SIGINT)", 130)
+        now = manifest.read_bytes() if manifest.is_file() else None
+        kept = "is unchanged" if now == before else "holds the new output, which was complete"
+        print(f"stopped by {what}: {out} {kept}", file=sys.stderr, flush=True)
+        raise typer.Exit(code) from None
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(
     inputs: Annotated[Optional[List[Path]], typer.Argument(
         help="Files or directories of .txt/.md/.py/.jsonl (optionally .gz) and .parquet. None: the "
@@ -613,7 +750,7 @@ def main(
     Also `prepare.py verify DIR`: re-hash and range-check every shard (exit 0 when all is well);
     `prepare.py info DIR`: statistics and a decoded sample.
     """
-    with cli_errors(DataError, OSError):
+    with cli_errors(DataError, OSError), _stoppable(out or DEMO_OUT):
         if inputs:
             if out is None:
                 raise DataError("--out-dir: expected an output directory for your INPUT files "
@@ -621,12 +758,12 @@ def main(
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
-            console.print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
-                          "standard library")
+            say(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
+                "standard library")
             if options["val_fraction"] is None:
                 options["val_fraction"] = 0.01
         prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), progress=True,
-                log=lambda s: console.print(s, markup=False, highlight=False), **options)
+                log=say, **options)
 
 
 # the flags are main's own three and then Options' fields, written once
@@ -644,7 +781,7 @@ def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output 
         for p in problems:
             errors.print(f"  - {p}")
         raise typer.Exit(2)
-    console.print(f"{directory}: all shards match the manifest", markup=False)
+    say(f"{directory}: all shards match the manifest")
 
 
 def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
@@ -658,13 +795,12 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
         table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])),
                       str(s["max_token_id"]))
     console.print(table)
-    plain = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
-    plain(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
+    say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
           f"dtype {m['dtype']}")
-    plain(f"stats {m.get('stats', {})}")
-    plain("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
+    say(f"stats {m.get('stats', {})}")
+    say("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
     if sample is not None:
-        plain(sample)
+        say(sample)
 
 
 if __name__ == "__main__":

@@ -214,14 +214,27 @@ def test_manifest_errors(tmp_path):
     with pytest.raises(DataError, match=r"expected format 'mamba3-lite-tokens', found 'other'"):
         open_tokens(d)
     m = json.loads((write_manifest_dir(tmp_path / "n", {"train": s}) / "manifest.json").read_text())
-    train = m["splits"]["train"]
-    for bad in ({**m, "splits": []}, {**m, "splits": {"train": {**train, "shards": None}}},
-                {**m, "splits": {"train": {**train, "shards": [{**train["shards"][0],
-                                                                "tokens": "100"}]}}}):
-        # hand-edited: the right keys, the wrong layout
+    train, shard = m["splits"]["train"], m["splits"]["train"]["shards"][0]
+    for bad, message in [
+            ({**m, "splits": []}, "expected splits to be an object, found []"),
+            ({**m, "vocab_size": None},
+             "expected vocab_size to be a whole number >= 1, found null"),
+            ({**m, "dtype": "int8"}, 'expected dtype to be "uint16" or "uint32", found "int8"'),
+            ({k: v for k, v in m.items() if k != "eos_id"}, "expected eos_id to be a whole number "
+             ">= 0, found no such field"),
+            ({**m, "splits": {"train": {**train, "shards": None}}},
+             "expected splits.train.shards to be a list, found null"),
+            ({**m, "splits": {"train": {**train, "tokens": 1.5}}},
+             "expected splits.train.tokens to be a whole number >= 0, found 1.5"),
+            ({**m, "splits": {"train": {**train, "shards": [{**shard, "tokens": "100"}]}}},
+             'expected splits.train.shards[0].tokens to be a whole number >= 0, found "100"'),
+            ({**m, "splits": {"train": {**train, "shards": [{**shard, "file": "../x.bin"}]}}},
+             'expected splits.train.shards[0].file to be a file name, found "../x.bin"')]:
+        # hand-edited: one message naming the field and what it holds
         (d / "manifest.json").write_text(json.dumps(bad))
-        with pytest.raises(DataError, match=r"manifest.json: expected splits of shard entries"):
+        with pytest.raises(DataError) as e:
             open_tokens(d)
+        assert str(e.value).startswith(f"{d / 'manifest.json'}: {message}; prepare.py writes")
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
@@ -382,9 +395,12 @@ def test_one_step_sees_the_same_samples_for_any_world_size_and_micro_batch(tmp_p
 
 def test_indivisible_global_batch_is_refused(tmp_path):
     source, _ = make_source("raw", tmp_path)
-    with pytest.raises(DataError, match=r"global batch 10 sequences is not a multiple of "
-                                        r"micro_batch 2 x world_size 4"):
+    with pytest.raises(DataError) as e:
         Batches(source, L, micro_batch=2, global_batch=10, world_size=4)
+    assert str(e.value) == ("global batch 10 sequences (--total-batch-size 70 / --seq-len 7) is "
+                            "not a multiple of micro_batch 2 (--batch-size) x world_size 4 = 8; "
+                            "pick sizes where it is, for example --total-batch-size 56 (8 "
+                            "sequences)")
     with pytest.raises(DataError, match="rank"):
         Batches(source, L, 1, 4, rank=4, world_size=4)
     with pytest.raises(DataError, match="seq_len"):

@@ -90,10 +90,13 @@ def make_corpus(root: Path):
     return [doc for name in order for doc in docs_by_file[name]]
 
 
-def is_val(n, fraction):
-    """The documented rule, computed the slow way."""
-    f = Fraction(str(fraction))
-    return math.ceil((n + 1) * f) > math.ceil(n * f)
+def val_docs(n_docs, fraction):
+    """The documented rule, computed the slow way: document n (from 1) when round(n * f) grows
+    there, halves rounded up; when that is none, the last document."""
+    f, half = Fraction(str(fraction)), Fraction(1, 2)
+    chosen = {n - 1 for n in range(1, n_docs + 1)
+              if math.floor(n * f + half) > math.floor((n - 1) * f + half)}
+    return chosen or ({n_docs - 1} if f else set())
 
 
 def read_split(out, manifest, split):
@@ -104,9 +107,9 @@ def read_split(out, manifest, split):
 def check_output(out, manifest, expected_docs, fraction, shard_tokens):
     """Every promise of prepare.py about `out`, against the expected per-document token lists (EOS
     included)."""
-    eos = manifest["eos_id"]
+    eos, val = manifest["eos_id"], val_docs(len(expected_docs), fraction)
     for split in ("train", "val"):
-        want = [d for n, d in enumerate(expected_docs) if is_val(n, fraction) == (split == "val")]
+        want = [d for n, d in enumerate(expected_docs) if (n in val) == (split == "val")]
         shards = read_split(out, manifest, split)
         stream = np.concatenate(shards) if shards else np.empty(0, np.int64)
         np.testing.assert_array_equal(stream, np.concatenate(want) if want else [])
@@ -143,7 +146,8 @@ def test_byte_corpus_end_to_end(tmp_path):
         assert f.read_bytes() == (tmp_path / "out2" / f.name).read_bytes(), f.name
     # what data.py reads is the same stream
     source = open_tokens(tmp_path / "out", "val")
-    want_val = np.concatenate([e for n, e in enumerate(expected) if is_val(n, 0.1)])
+    val = val_docs(len(expected), 0.1)
+    want_val = np.concatenate([e for n, e in enumerate(expected) if n in val])
     np.testing.assert_array_equal(source.read(0, source.num_tokens), want_val)
     assert source.tokenizer == {"name": "byte"} and source.eos_id == 256
 
@@ -233,10 +237,37 @@ def test_demo_cli_builds_the_full_stdlib_corpus(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     assert m["tokenizer"] == {"name": "byte"} and m["splits"]["train"]["tokens"] > 1_000_000
     assert m["stats"]["input_files"] == len(demo_inputs())
-    assert m["splits"]["val"]["documents"] == math.ceil(m["stats"]["documents"] * 0.01)
+    assert m["splits"]["val"]["documents"] == len(val_docs(m["stats"]["documents"], 0.01))
     r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "info", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "train" in r.stdout and "sample:" in r.stdout, r.stderr
+
+
+def test_validation_documents_do_not_favour_the_start(tmp_path, monkeypatch):
+    # A large first file (a book among short pages) is not the validation split: the documents are
+    # every 1/f-th from about 1/(2f) on. With fewer than 1/(2f) documents the last one is held out,
+    # also when it comes batches after the others and empty documents follow it.
+    monkeypatch.setattr(prepare, "BATCH_BYTES", 300)  # many batches: the choice spans them
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a-book.txt").write_text("a long first document\n" * 500)
+    for i in range(40):
+        (tmp_path / "in" / f"page{i:02d}.txt").write_text(f"page {i}\n" * 10)
+    (tmp_path / "few").mkdir()
+    for name, text in [("a.txt", "x" * 400), ("b.txt", "y" * 400), ("c.txt", "z" * 400),
+                       ("d.txt", ""), ("e.jsonl", '{"text": ""}\n' * 3)]:
+        (tmp_path / "few" / name).write_text(text)
+    for src, val_docs_want in [("in", [10, 30]), ("few", [3])]:  # 1-based document numbers
+        docs = [f.read_bytes() for f in find_inputs([tmp_path / src])]
+        docs = [d for d in docs if d and d != b'{"text": ""}\n' * 3]
+        expected = [np.array(list(d) + [256]) for d in docs]
+        outs = [tmp_path / f"{src}-{w}" for w in (1, 2)]
+        for out, workers in zip(outs, (1, 2)):
+            m = run([tmp_path / src], out, val_fraction=0.05, shard_tokens=1000, workers=workers)
+        assert sorted(n + 1 for n in val_docs(len(docs), 0.05)) == val_docs_want
+        check_output(outs[0], m, expected, 0.05, 1000)
+        assert m["splits"]["val"]["documents"] == len(val_docs_want)
+        for f in outs[0].iterdir():  # byte-identical with 2 workers
+            assert f.read_bytes() == (outs[1] / f.name).read_bytes(), f.name
 
 
 # -----------------------------------------------------------------------------
