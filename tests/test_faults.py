@@ -146,7 +146,8 @@ def test_a_killed_branch_is_continued_not_the_abandoned_one(corpus, tmp_path, mo
 def test_a_short_validation_split_turns_eval_off_before_step_1(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a.txt").write_text("x = 1\n")  # the first document is held out: 7 tokens, shorter than seq_len + 1
+    # the last document is held out (31 x 0.01 rounds to none): 7 tokens, shorter than seq_len + 1
+    (src / "z.txt").write_text("x = 1\n")
     for i in range(30):
         (src / f"b{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
     data = tmp_path / "data"
