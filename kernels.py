@@ -355,14 +355,32 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # no Triton on this platform (macOS); impl="triton" then says so, everything else works
     triton = None
 
-if triton is not None:
+TRITON_NEEDED = (3, 6)  # the oldest Triton the kernels compile under (what torch 2.11 installs)
+
+
+def _version(v):
+    return tuple(int(part) for part in v.split("+")[0].split(".")[:2])
+
+
+if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     # Under TRITON_INTERPRET=1 (read when the kernels below are decorated, i.e. at import) they run as numpy on
     # CPU tensors: the tests run them that way. Its one gap that matters here: no bfloat16 arithmetic (see _dot).
     _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
+    if _INTERPRETED and _version(triton.__version__) < (3, 7):
+        # Triton 3.6's interpreter turns a loop bound into an int with int() of a one-element 1-d array, which
+        # NumPy deprecated in 1.25 and now refuses, so `for c in range(nc)` stops; 3.7 squeezes it first, as here.
+        from triton.runtime import interpreter as _interpreter
+
+        def _patch_lang_tensor(tensor, scope, patch=_interpreter._patch_lang_tensor):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        _interpreter._patch_lang_tensor = _patch_lang_tensor
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
     _PI = tl.constexpr(math.pi)
@@ -386,7 +404,7 @@ if triton is not None:
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)  # (3.6 would assume float32)
 
     @triton.jit
     def _last(v, i, C: tl.constexpr):
@@ -717,9 +735,12 @@ if triton is not None:
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the phase entering the next chunk, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            (we, wo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
+            # (flat unpacks: Triton 3.6 and 3.7 cannot compile an assignment to nested tuples)
+            we, wo = _pairs(Bw_ptr, j, N, ACC)
+            be, bo = _pairs(Bb_ptr + h * N, j, N, ACC)
             Ke, Ko, _, _, _ = _qk(rows, valid, col_B, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
-            (we, wo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
+            we, wo = _pairs(Cw_ptr, j, N, ACC)
+            be, bo = _pairs(Cb_ptr + h * N, j, N, ACC)
             Qe, Qo, _, _, _ = _qk(rows, valid, col_B + G * N, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
@@ -787,9 +808,11 @@ if triton is not None:
             carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
             th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, dt, seg, same, carry, ACC, HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            (Bwe, Bwo), (be, bo) = _pairs(Bw_ptr, j, N, ACC), _pairs(Bb_ptr + h * N, j, N, ACC)
+            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)
+            be, bo = _pairs(Bb_ptr + h * N, j, N, ACC)
             Ke, Ko, xBe, xBo, rB = _qk(rows, valid, col_B, j, N, Bwe, Bwo, be, bo, cos, sin, eps, NH, ACC)
-            (Cwe, Cwo), (be, bo) = _pairs(Cw_ptr, j, N, ACC), _pairs(Cb_ptr + h * N, j, N, ACC)
+            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
+            be, bo = _pairs(Cb_ptr + h * N, j, N, ACC)
             Qe, Qo, xCe, xCo, rC = _qk(rows, valid, col_B + G * N, j, N, Cwe, Cwo, be, bo, cos, sin, eps, NH, ACC)
             qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
@@ -995,7 +1018,10 @@ def _reset_bytes(reset):
 def _launchable(x, what):
     if triton is None:
         raise RuntimeError(f"{what}: impl='triton' needs Triton, which does not import here (it ships for Linux); "
-                           "use impl='torch'")
+                           "use impl='torch' (MAMBA3_IMPL=torch)")
+    if _version(triton.__version__) < TRITON_NEEDED:
+        raise RuntimeError(f"{what}: impl='triton' needs Triton >= {'.'.join(map(str, TRITON_NEEDED))} but found "
+                           f"Triton {triton.__version__}; upgrade it, or use impl='torch' (MAMBA3_IMPL=torch)")
     if not x.is_cuda and not _INTERPRETED:
         raise RuntimeError(f"{what}: impl='triton' on CPU tensors runs only through Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before triton is imported, or use impl='torch'")

@@ -6,6 +6,7 @@ of every kernel for a real GPU target, which the interpreter alone would not cat
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -315,11 +316,16 @@ def test_auto_picks_torch_on_cpu_and_the_variable_overrides(monkeypatch):
 
 def test_clear_errors_without_triton_or_interpreter(monkeypatch):
     inputs = make_inputs(1, 20, 2, 4, 4)
+    zx, params, _, sizes = mixer_case(1, 8, 2, 16, 1, 16, 4, 16, False)
     with pytest.raises(ValueError, match="power of 2"):
         ssd(*inputs, chunk_size=24, impl="triton")
     monkeypatch.setattr(kernels, "_INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         ssd(*inputs, chunk_size=16, impl="triton")
+    monkeypatch.setattr(kernels, "triton", types.SimpleNamespace(__version__="3.5.1"))
+    for run in (lambda: ssd(*inputs, chunk_size=16, impl="triton"), lambda: kernels.mixer_triton(zx, *params, **sizes)):
+        with pytest.raises(RuntimeError, match=r"needs Triton >= 3\.6 but found Triton 3\.5\.1.*MAMBA3_IMPL=torch"):
+            run()
     monkeypatch.setattr(kernels, "triton", None)
     assert not kernels.triton_available()
     with pytest.raises(RuntimeError, match="needs Triton"):
