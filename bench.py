@@ -192,8 +192,6 @@ def kernels(
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
     paths = {base: lambda *t: ssd_minimal(*t, chunk_size=C),
              "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
-    if dev == "cuda" and K.triton_available():
-        paths["triton"] = lambda *t: K.ssd(*t, chunk_size=C, impl="triton")
     if recurrent:
         paths[rec] = lambda *t: K.ssd(*t, impl="recurrent")
 

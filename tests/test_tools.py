@@ -90,7 +90,7 @@ def test_every_kernel_the_layer_launches_compiles_for_sm90():
     assert all(r["wgmma"] for r in rows if r["dot"]), [r["kernel"] for r in rows if r["dot"] and not r["wgmma"]]
     # The fused forward fits the register file at the 440m shape (aligned or not); the backward still spills (its
     # tiles at P 64, N 128, C 64 do not fit); the figures are in BENCHMARKS.md. No more spilling than today:
-    limit = {"_mixer_fwd": 0, "_mixer_bwd": 2812, "_scan_fwd": 512, "_scan_bwd": 2048, "_sum_heads": 0}
+    limit = {"_mixer_fwd": 0, "_mixer_bwd": 2812, "_sum_heads": 0}
     for r in rows:
         assert r["spill_stores"] <= limit.get(r["kernel"], 0), (r["kernel"], r["spill_stores"])
 

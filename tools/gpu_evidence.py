@@ -263,7 +263,7 @@ def traffic(
     input read once (the backward reads them again: they are what it saves), each output written
     once, what the fused path saves besides its inputs (the per-chunk states and phases) written and
     read once, the incoming gradient read once and each gradient written once. Contrast: the eager
-    glue around ssd(impl="triton"), and with --official the official Mamba-3 SISO layer (its Triton
+    PyTorch path (kernels.mixer_torch, what the fused kernels replace), and with --official the official Mamba-3 SISO layer (its Triton
     kernels and eager glue) on the same input, counted the same way."""
     with cli_errors(ValueError, ImportError):
         check_official(official)
@@ -281,9 +281,9 @@ def traffic(
     dout = torch.randn(B, L, cfg.d_inner).to(zx.dtype)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=chunk_size,
               A_floor=cfg.A_floor, eps=cfg.norm_eps)
-    fused, glue = "fused (kernels.mixer_triton)", 'eager glue + ssd(impl="triton")'
+    fused, glue = "fused (kernels.mixer_triton)", "eager PyTorch (kernels.mixer_torch)"
     counts = {fused: count_region(lambda: K.mixer_triton(zx, *params, **kw), [zx] + params, dout),
-              glue: count_region(lambda: K.mixer_torch(zx, *params, **kw, impl="triton")[0],
+              glue: count_region(lambda: K.mixer_torch(zx, *params, **kw, impl="torch")[0],
                                  [zx] + params, dout)}
     if official:
         with cli_errors(ValueError, ImportError):
