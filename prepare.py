@@ -7,23 +7,22 @@
     python prepare.py info data/mine                     # statistics and a decoded sample
 
 Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
-files (one file is one document) and .jsonl files (one line is one document: its "text" field),
-each optionally gzipped, and .parquet files (one row is one document: its "text" column, read alone,
-a slice of a row group at a time; a null is an empty document); --text-field names another field or
-column. Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input
-order) goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
+files (one file is one document), .jsonl files (one line is one document: its "text" field), each
+optionally gzipped, and .parquet files (one row is one document: its "text" column, read a slice of
+a row group at a time; a null is an empty document); --text-field names another field or column.
+Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input order)
+goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
 document, the first at about 1/(2f), so that neither the start nor a large first file is favoured,
-and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than 1/(2f)
-documents, f > 0), the last document is the validation split. The rest go to train; each split is
-cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in --workers
-processes; results come back in input order, so the output is byte-identical for any worker count.
+and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than
+1/(2f) documents, f > 0), the last document is the validation split. The rest go to train; each
+split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in
+--workers processes; results come back in input order, so the output is byte-identical for any
+worker count.
 
-The output is built in a hidden directory beside --out-dir (shards fsynced, manifest.json last) and
-put in its place only when complete (data.replace_dir), so a failure or a kill never leaves a
-half-written directory that looks valid and never loses the previous output; the next run finishes
-or undoes a swap a kill interrupted. Files you added to a previous output move into the new one.
-Ctrl-C and SIGTERM stop the command (workers included) within a second or so, exit 130 or 143,
-remove the hidden directory and leave the previous output as it was.
+The output is built in a hidden directory beside --out-dir and put in its place only when complete
+(data.replace_dir): a failure or a kill never leaves a half-written directory that looks valid,
+never loses the previous output, and files you added to a previous output move into the new one.
+Ctrl-C and SIGTERM stop the command, workers included, within a second or so (exit 130 or 143).
 """
 import contextlib
 import dataclasses
@@ -104,9 +103,7 @@ def _kind(path: Path):
     if path.name.endswith(".parquet"):  # compressed inside, never gzipped as a whole
         return "parquet"
     name = path.name.removesuffix(".gz")
-    if name.endswith(".jsonl"):
-        return "jsonl"
-    return "text" if name.endswith(TEXT_SUFFIXES) else None
+    return "jsonl" if name.endswith(".jsonl") else "text" if name.endswith(TEXT_SUFFIXES) else None
 
 
 def find_inputs(paths) -> list:
@@ -140,19 +137,18 @@ def demo_inputs(root=None) -> list:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])]
-    files.sort(key=lambda f: f.relative_to(root).parts)
     if not files:
         raise DataError(f"{root}: expected the Python standard library's .py files, found none (a "
                         "zipped stdlib?)")
-    return files
+    return sorted(files, key=lambda f: f.relative_to(root).parts)
 
 
 def check_parquet(files, text_field="text"):
-    """Check, from the footers alone, that every .parquet file among `files` is one and has a
-    string column `text_field`: a bad file is refused before any work starts."""
+    """Refuse, from the footers alone and before any work starts, a .parquet file among `files`
+    that is not one or has no string column `text_field`."""
     parquet = [f for f in files if _kind(f) == "parquet"]
     if not parquet:
-        return
+        return  # pyarrow is imported only when needed: it takes a while
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -227,6 +223,7 @@ def _batched(documents):
 _TOKENIZER = None  # set in each worker (and in this process when --workers 1)
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _SURROGATE = re.compile("[\ud800-\udfff]")
+WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
 
 def _load_tokenizer(spec, directory):
@@ -234,40 +231,31 @@ def _load_tokenizer(spec, directory):
     _TOKENIZER = load_tokenizer(spec, directory)
 
 
-def _decode(raw: bytes):
-    """UTF-8 text and the number of undecodable byte sequences replaced by U+FFFD."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", "replace")
-        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
-
-
 def _text_of(kind, raw, text_field):
     """(text, undecodable count) of one document; a ValueError says what is wrong with a line."""
-    text, bad = _decode(raw)
+    try:
+        text, bad = raw.decode("utf-8"), 0
+    except UnicodeDecodeError:  # count the U+FFFD that replace bytes, not those in the text
+        text = raw.decode("utf-8", "replace")
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
     if kind == "text":
         return text, bad
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+    value = obj.get(text_field) if isinstance(obj, dict) else None
+    if not isinstance(value, str):
         if not isinstance(obj, dict):
             found = f"a JSON {_json_type(obj)}"
         elif text_field in obj:
-            found = f"a {_json_type(obj[text_field])} in {json.dumps(text_field)}, not a string"
+            found = f"a {_json_type(value)} in {json.dumps(text_field)}, not a string"
         else:
             found = f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}"
         raise ValueError(f"expected a JSON object with a string {json.dumps(text_field)} field "
                          f"(--text-field), found {found}")
-    text = obj[text_field]
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, from \ud800-style escapes, cannot be UTF-8
-        text, n = _SURROGATE.subn("\ufffd", text)
-        bad += n
-    return text, bad
+    text, n = _SURROGATE.subn("\ufffd", value)  # lone surrogates (\ud800 escapes) are not UTF-8
+    return text, bad + n
 
 
 def _json_type(value):
@@ -356,30 +344,24 @@ def _encoded(files, dtype, conns, text_field):
             yield origins, *_encode_batch(items, dtype, text_field)
         return
     pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
-    for k, (items, origins) in enumerate(batches):
-        done = _result(*pending.popleft()) if len(pending) == len(conns) else None
-        try:
-            conns[k % len(conns)].send((items, dtype, text_field))
-        except OSError:  # a broken pipe: the worker is gone
-            raise DataError(WORKER_DIED) from None
-        pending.append((origins, conns[k % len(conns)]))
-        if done:
-            yield done
-    while pending:
-        yield _result(*pending.popleft())
 
-
-WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
-
-
-def _result(origins, conn):
-    try:
+    def take(origins, conn):
         result = conn.recv()
-    except (EOFError, OSError):  # a crash, or the kernel's out-of-memory killer
+        if isinstance(result, Exception):
+            raise result
+        return origins, *result
+
+    try:
+        for k, (items, origins) in enumerate(batches):
+            done = take(*pending.popleft()) if len(pending) == len(conns) else None
+            conns[k % len(conns)].send((items, dtype, text_field))
+            pending.append((origins, conns[k % len(conns)]))
+            if done:
+                yield done
+        while pending:
+            yield take(*pending.popleft())
+    except (EOFError, OSError):  # a pipe closed: a worker is gone (a crash, the OOM killer)
         raise DataError(WORKER_DIED) from None
-    if isinstance(result, Exception):
-        raise result
-    return origins, *result
 
 
 # -----------------------------------------------------------------------------
@@ -392,55 +374,37 @@ class ShardWriter:
     is fsynced when complete; `shards` collects the manifest entries. (No temporary names: the
     whole directory is a stage until replace_dir puts it in place.)"""
 
-    def __init__(self, directory: Path, split: str, dtype, shard_tokens: int):
-        self.directory, self.split, self.dtype = directory, split, np.dtype(dtype)
-        self.shard_tokens, self.shards, self._f = shard_tokens, [], None
+    def __init__(self, directory: Path, split: str, shard_tokens: int):
+        self.directory, self.split, self.shard_tokens, self.shards, self.f = (
+            directory, split, shard_tokens, [], None)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray):
         """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes (> 0)."""
-        ends = np.cumsum(lengths)  # (D,) where each document ends in `tokens`
-        i = 0
+        ends, i = np.cumsum(lengths), 0  # (D,) where each document ends in `tokens`
         while i < len(lengths):
-            if self._f is None:
-                self._open()
-            begin = int(ends[i - 1]) if i else 0
-            room = begin + self.shard_tokens - self._tokens
-            j = int(np.searchsorted(ends, room, side="right"))  # documents i .. j-1 fit
-            if j == i:
-                if self._tokens:
-                    self._close()
-                    continue
-                j = i + 1
+            if self.f is not None and self.entry["tokens"] + lengths[i] > self.shard_tokens:
+                self.close()
+            if self.f is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.f = open(self.directory / name, "wb", buffering=1 << 23)
+                self.hash = hashlib.sha256()
+                self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
+            begin, e = int(ends[i - 1]) if i else 0, self.entry
+            room = begin + self.shard_tokens - e["tokens"]
+            j = max(i + 1, int(np.searchsorted(ends, room, side="right")))  # documents i .. j-1
             chunk = tokens[begin : int(ends[j - 1])]
-            self._f.write(chunk.data)
-            self._hash.update(chunk.data)
-            self._max = max(self._max, int(chunk.max()))
-            self._tokens, self._docs, i = self._tokens + len(chunk), self._docs + j - i, j
-            if i < len(lengths):
-                self._close()
+            self.f.write(chunk.data)
+            self.hash.update(chunk.data)
+            e["tokens"], e["documents"], i = e["tokens"] + len(chunk), e["documents"] + j - i, j
+            e["max_token_id"] = max(e["max_token_id"], int(chunk.max()))
 
     def close(self):
-        if self._f is not None:
-            self._close()
-
-    def _open(self):
-        self._name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._f = open(self.directory / self._name, "wb", buffering=1 << 23)
-        self._hash, self._tokens, self._docs, self._max = hashlib.sha256(), 0, 0, 0
-
-    def _close(self):
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        self.shards.append({"file": self._name, "tokens": self._tokens, "documents": self._docs,
-                            "max_token_id": self._max, "sha256": self._hash.hexdigest()})
-
-
-def _split_summary(shards):
-    total = lambda key: sum(s[key] for s in shards)  # noqa: E731
-    return {"tokens": total("tokens"), "documents": total("documents"),
-            "max_token_id": max((s["max_token_id"] for s in shards), default=0), "shards": shards}
+        if self.f is not None:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            self.f = None
+            self.shards.append({**self.entry, "sha256": self.hash.hexdigest()})
 
 
 def _check_out(out: Path, files, overwrite: bool):
@@ -474,20 +438,17 @@ def _ours(old: Path) -> set:
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
     """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the
-    manifest. `options` are Options' fields.
-
-    All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced
-    only once the new output is complete (see the module doc)."""
+    manifest. `options` are Options' fields. All are checked, and the tokenizer loaded, before any
+    work starts; `out` is replaced only once the new output is complete (see the module doc)."""
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
-    if not 0 <= o.val_fraction < 1:
-        raise DataError(f"--val-fraction: expected a fraction in [0, 1), found {o.val_fraction}")
-    if o.shard_tokens < 1:
-        raise DataError(f"--shard-tokens: expected a positive number of tokens, found "
-                        f"{o.shard_tokens}")
-    if o.workers < 1:
-        raise DataError(f"--workers: expected at least 1, found {o.workers}")
+    for ok, flag, want, value in [
+            (0 <= o.val_fraction < 1, "--val-fraction", "a fraction in [0, 1)", o.val_fraction),
+            (o.shard_tokens >= 1, "--shard-tokens", "a positive number of tokens", o.shard_tokens),
+            (o.workers >= 1, "--workers", "at least 1", o.workers)]:
+        if not ok:
+            raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
     out = Path(out)
     if out.is_symlink():  # the swap renames directories: write behind it, keep the link
@@ -535,7 +496,10 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
                         "none)")
     if tok_file:
         write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
-    splits = {name: _split_summary(w.shards) for name, w in writers.items()}
+    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
+                     "documents": sum(s["documents"] for s in w.shards),
+                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
+                     "shards": w.shards} for name, w in writers.items()}
     manifest = {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
         "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec, "splits": splits,
@@ -547,17 +511,15 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
 
 
 def _write_splits(stage, files, dtype, o, conns, show):
-    writers = {s: ShardWriter(stage, s, dtype, o.shard_tokens) for s in ("train", "val")}
+    writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
     held = None  # a batch kept back while no document has gone to validation: its last may have to
-    columns = [TextColumn("[bold]tokenizing"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} files"),
-               TextColumn("{task.fields[docs]:,} docs"),
-               TextColumn("{task.fields[tokens]:,} tokens"),
-               TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
+    counts = TextColumn("{task.completed}/{task.total} files {task.fields[docs]:,} docs "
+                        "{task.fields[tokens]:,} tokens {task.fields[rate]:,.0f} tok/s")
     t0 = time.perf_counter()
-    with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
+    with Progress(TextColumn("[bold]tokenizing"), BarColumn(), counts, TimeElapsedColumn(),
+                  disable=not (show and sys.stdout.isatty())) as bar, \
             contextlib.closing(_encoded(files, dtype, conns, o.text_field)) as stream:
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
@@ -617,50 +579,38 @@ def _is_val(n, f: Fraction):
 
 def verify(directory) -> list:
     """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS
-    count) and final EOS against the manifest, the split totals, and the tokenizer file. Returns the
-    problems found."""
+    count) and final EOS against the manifest, which read_manifest checks for consistency, and the
+    tokenizer file. Returns the problems found."""
     directory = Path(directory)
     try:
         m = read_manifest(directory)
     except DataError as e:
         return [str(e)]
     problems, dtype, eos = [], np.dtype(m["dtype"]), m["eos_id"]
-    for split, s in m["splits"].items():
-        for shard in s["shards"]:
-            f = directory / shard["file"]
-            if not f.is_file():
-                problems.append(f"{f}: missing (listed in {MANIFEST})")
-                continue
-            want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
-            if size != want:
-                problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} "
-                                f"tokens), found {size}")
-                continue
-            sha, top, eos_count, last = _scan_shard(f, dtype, eos)
-            if sha != shard["sha256"]:
-                problems.append(f"{f}: sha256 {sha[:16]}... differs from the manifest's "
-                                f"{shard['sha256'][:16]}...: the file changed after prepare.py "
-                                "wrote it")
-            if top != shard["max_token_id"]:
-                problems.append(f"{f}: max token id {top}, the manifest says "
-                                f"{shard['max_token_id']}")
-            if top >= m["vocab_size"]:
-                problems.append(f"{f}: token id {top} is outside the vocabulary of "
-                                f"{m['vocab_size']}")
-            if eos_count != shard["documents"]:
-                problems.append(f"{f}: {eos_count} EOS tokens, the manifest says "
-                                f"{shard['documents']} documents")
-            if last != eos:
-                problems.append(f"{f}: ends with token {last}, not EOS {eos}: a document is cut at "
-                                "the shard end")
-        if s["documents"] != sum(x["documents"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} document total disagrees with "
-                            "its shards")
-        if s["shards"] and s["max_token_id"] != max(x["max_token_id"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} max_token_id disagrees with "
-                            "its shards")
+    for shard in (s for split in m["splits"].values() for s in split["shards"]):
+        f = directory / shard["file"]
+        if not f.is_file():
+            problems.append(f"{f}: missing (listed in {MANIFEST})")
+            continue
+        want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
+        if size != want:
+            problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), "
+                            f"found {size}")
+            continue
+        sha, top, eos_count, last = _scan_shard(f, dtype, eos)
+        problems += [f"{f}: {problem}" for bad, problem in [
+            (sha != shard["sha256"], f"sha256 {sha[:16]}... differs from the manifest's "
+             f"{shard['sha256'][:16]}...: the file changed after prepare.py wrote it"),
+            (top != shard["max_token_id"], f"max token id {top}, the manifest says "
+             f"{shard['max_token_id']}"),
+            (top >= m["vocab_size"], f"token id {top} is outside the vocabulary of "
+             f"{m['vocab_size']}"),
+            (eos_count != shard["documents"], f"{eos_count} EOS tokens, the manifest says "
+             f"{shard['documents']} documents"),
+            (last != eos, f"ends with token {last}, not EOS {eos}: a document is cut at the shard "
+             "end")] if bad]
     spec = m["tokenizer"]
-    if isinstance(spec, dict) and spec.get("name") == "file":
+    if spec.get("name") == "file":
         f = directory / spec.get("file", "tokenizer.json")
         if not f.is_file():
             problems.append(f"{f}: tokenizer file missing")
@@ -796,7 +746,7 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
                       str(s["max_token_id"]))
     console.print(table)
     say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
-          f"dtype {m['dtype']}")
+        f"dtype {m['dtype']}")
     say(f"stats {m.get('stats', {})}")
     say("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
     if sample is not None:
