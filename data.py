@@ -50,20 +50,16 @@ MANIFEST_VERSION = 1
 # What each manifest field must hold: (in words, test). read_manifest checks them all, so that a
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
-MANIFEST_FIELDS = {
-    "dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
-    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
-    "eos_id": _COUNT,
-    "tokenizer": ("an object", lambda v: isinstance(v, dict)),
-    "splits": ("an object", lambda v: isinstance(v, dict)),
-}
+_OBJECT = ("an object", lambda v: isinstance(v, dict))
+MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
+                   "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
+                   "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
 SPLIT_FIELDS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
                 "shards": ("a list", lambda v: isinstance(v, list))}
-SHARD_FIELDS = {
-    "file": ("a file name", lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""),
-    "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-    "sha256": ("a string", lambda v: isinstance(v, str)),
-}
+SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
+                         and v.strip(".") != ""),  # a name inside the directory, no path
+                "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
+                "sha256": ("a string", lambda v: isinstance(v, str))}
 
 
 class DataError(ValueError):
@@ -94,10 +90,8 @@ def write_atomic(path, data: bytes):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.write_bytes(data)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no empty temporary behind
@@ -239,11 +233,8 @@ class FileTokenizer:
     of EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
 
     def __init__(self, path, spec):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip "
-                            "install tokenizers") from None
+        from tokenizers import Tokenizer
+
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -351,9 +342,7 @@ class TokenSource:
             lo = start - self.starts[k]
             pieces.append(self.tokens[k][lo : lo + n])
             start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
-        if len(pieces) == 1:
-            return pieces[0]
-        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
         """The tokens of windows `ids`, a (len(ids), seq_len + 1) array (see the module doc) in the
@@ -410,13 +399,12 @@ def _raise_open_file_limit(n_files: int):
     # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the
     # usual soft limit of 1024. Raise it up to the hard limit, and say so if that is not enough.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = n_files + 256
-    if soft == resource.RLIM_INFINITY or need <= soft:
-        return
-    if hard != resource.RLIM_INFINITY and hard < need:
+    need, inf = n_files + 256, resource.RLIM_INFINITY
+    if hard != inf and hard < need:
         raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; "
                         "raise `ulimit -n`")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    if soft != inf and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
@@ -627,13 +615,10 @@ FORMATS = ", ".join(what for what, _ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS.
-
-    `split` picks train or val where the format has both; the others hold one stream, the train
-    split, and refuse another with NoSplit. `dtype` is for raw files and shard directories (default
-    uint16); a format that records its dtype refuses a different one. Missing paths, unknown
-    layouts and malformed files raise DataError.
-    """
+    """Open a token stream of one of the FORMATS. `split` picks train or val where the format has
+    both; the others hold one stream, the train split, and refuse another with NoSplit. `dtype` is
+    for raw files and shard directories (default uint16); a format that records its dtype refuses
+    another."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for _, opener in FORMAT_OPENERS:
@@ -753,14 +738,21 @@ class Batches:
         # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
-        self._prefetch = _Prefetch(self._build) if prefetch else None
+        # prefetch: the next micro-batch is built in a thread while the caller trains on this one
+        self._pool, self._ahead = ThreadPoolExecutor(1) if prefetch else None, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        build = self._build if self._prefetch is None else self._prefetch
-        x, y, self._consumed, self._counts = build(self._consumed, self._counts)
+        if self._pool is None:
+            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
+            return x, y
+        ahead = self._ahead or self._pool.submit(self._build, self._consumed, self._counts)
+        self._ahead = None  # after an error, the next call starts again from the caller's state
+        # each build returns the state after it: the caller's state is what it has taken
+        x, y, self._consumed, self._counts = ahead.result()
+        self._ahead = self._pool.submit(self._build, self._consumed, self._counts)
         return x, y
 
     def state_dict(self) -> dict:
@@ -788,8 +780,9 @@ class Batches:
 
     def close(self):
         """Stop the prefetch thread, if one runs (the next batch starts it again)."""
-        if self._prefetch is not None:
-            self._prefetch.stop()
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)  # waits for a build under way
+            self._pool, self._ahead = ThreadPoolExecutor(1), None
 
     def _build(self, consumed, counts):
         """This rank's micro-batch at global sample `consumed`, a pure function of the state: (x,
@@ -861,29 +854,6 @@ def _blend(consumed, counts, shares, lo, B, n):
             src[i - lo], idx[i - lo] = best, c[best]
         c[best] += 1
     return src, idx, tuple(c)
-
-
-class _Prefetch:
-    """build(consumed, counts), one micro-batch ahead in a thread. Each result carries the state
-    after it, so the caller's state is what it has taken; after stop() or an error the next call
-    starts again from the caller's state."""
-
-    def __init__(self, build):
-        self.build, self.pool, self.ahead = build, None, None
-
-    def __call__(self, consumed, counts):
-        if self.ahead is None:
-            self.pool = self.pool or ThreadPoolExecutor(1)
-            self.ahead = self.pool.submit(self.build, consumed, counts)
-        ahead, self.ahead = self.ahead, None
-        item = ahead.result()  # a build's exception is raised here, in the caller
-        self.ahead = self.pool.submit(self.build, *item[2:])
-        return item
-
-    def stop(self):
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pool = self.ahead = None
 
 
 # -----------------------------------------------------------------------------
