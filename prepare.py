@@ -47,7 +47,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
@@ -137,9 +136,6 @@ def demo_inputs(root=None) -> list:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])]
-    if not files:
-        raise DataError(f"{root}: expected the Python standard library's .py files, found none (a "
-                        "zipped stdlib?)")
     return sorted(files, key=lambda f: f.relative_to(root).parts)
 
 
@@ -168,8 +164,7 @@ def check_parquet(files, text_field="text"):
 
 
 def _parquet_texts(path, text_field):
-    """The raw UTF-8 bytes of each row's text (b"" for a null), reading only that column, a slice
-    of one row group at a time."""
+    """The raw UTF-8 bytes of each row's text (b"" for a null), a slice of a row group at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -273,13 +268,10 @@ def _encode_batch(items, dtype, text_field):
             text, n_bad = _text_of(kind, raw, text_field)
         except ValueError as e:  # the parent names the file and line
             return None, None, bad, (i, str(e))
+        ids = _TOKENIZER.encode_array(text).astype(dtype, copy=False)
+        pieces += [ids, eos] if text else []
+        lengths.append(len(ids) + 1 if text else 0)  # an empty document is skipped
         bad += n_bad
-        if not text:
-            lengths.append(0)
-            continue
-        ids = _TOKENIZER.encode_array(text)
-        pieces += [ids.astype(dtype, copy=False), eos]
-        lengths.append(len(ids) + 1)
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
     return tokens, np.asarray(lengths, dtype=np.int64), bad, None
 
@@ -609,13 +601,11 @@ def verify(directory) -> list:
              f"{shard['documents']} documents"),
             (last != eos, f"ends with token {last}, not EOS {eos}: a document is cut at the shard "
              "end")] if bad]
-    spec = m["tokenizer"]
-    if spec.get("name") == "file":
-        f = directory / spec.get("file", "tokenizer.json")
-        if not f.is_file():
-            problems.append(f"{f}: tokenizer file missing")
-        elif sha256(f) != spec.get("sha256"):
-            problems.append(f"{f}: sha256 differs from the manifest's tokenizer spec")
+    if m["tokenizer"].get("name") == "file":  # there, and the file the spec names
+        try:
+            load_tokenizer(m["tokenizer"], directory)
+        except DataError as e:
+            problems.append(str(e))
     return problems
 
 
@@ -656,26 +646,24 @@ def say(text):
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that it unwinds as Ctrl-C's KeyboardInterrupt does."""
-
-
-def _terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
-    raise Terminated
-
-
 @contextlib.contextmanager
 def _stoppable(out: Path):
-    """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143: on the way out
-    replace_dir removes the stage and _workers ends the workers."""
-    manifest = out / MANIFEST
+    """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143. SIGTERM raises
+    KeyboardInterrupt too, so that both unwind alike: replace_dir removes the stage, _workers ends
+    the workers."""
+    manifest, terminated = out / MANIFEST, []
     before = manifest.read_bytes() if manifest.is_file() else None
-    handler = signal.signal(signal.SIGTERM, _terminated)
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
-    except (KeyboardInterrupt, Terminated) as e:
-        what, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C (SIGINT)", 130)
+    except KeyboardInterrupt:
+        what, code = ("SIGTERM", 143) if terminated else ("Ctrl-C (SIGINT)", 130)
         now = manifest.read_bytes() if manifest.is_file() else None
         kept = "is unchanged" if now == before else "holds the new output, which was complete"
         print(f"stopped by {what}: {out} {kept}", file=sys.stderr, flush=True)
@@ -738,13 +726,9 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
     """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
     with cli_errors(DataError):
         m, sample = info(directory)
-    table = Table(title=f"{directory}", title_justify="left")
-    for c in ("split", "tokens", "documents", "shards", "max token id"):
-        table.add_column(c, justify="left" if c == "split" else "right")
     for name, s in m["splits"].items():
-        table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])),
-                      str(s["max_token_id"]))
-    console.print(table)
+        say(f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in {len(s['shards'])} "
+            f"shards, max token id {s['max_token_id']}")
     say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
         f"dtype {m['dtype']}")
     say(f"stats {m.get('stats', {})}")
