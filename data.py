@@ -389,9 +389,9 @@ class TokenSource:
             i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
             raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
                             f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                            "vocabulary, although the manifest says otherwise: was the file changed "
-                            f"after prepare.py wrote it? `python prepare.py verify {self.path}` "
-                            "checks every shard")
+                            "vocabulary, although the manifest says otherwise: was the file "
+                            "changed after prepare.py wrote it? `python prepare.py verify "
+                            f"{self.path}` checks every shard")
         self.unchecked.discard(k)
 
 
@@ -503,7 +503,8 @@ def _prepared(p, split, dtype):
                             f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
                             f"verify {p}`")
     source = TokenSource(p, files, m["dtype"], s["max_token_id"])
-    source.vocab_size, source.eos_id, source.tokenizer = m["vocab_size"], m["eos_id"], m["tokenizer"]
+    source.vocab_size, source.eos_id = m["vocab_size"], m["eos_id"]
+    source.tokenizer = m["tokenizer"]
     return source
 
 

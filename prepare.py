@@ -506,7 +506,8 @@ def _write_splits(stage, files, dtype, o, conns, show):
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
-    held = None  # a batch kept back while no document has gone to validation: its last may have to
+    held = None  # each batch is written when the next comes: the very last document may yet have
+    # to be the validation split
     counts = TextColumn("{task.completed}/{task.total} files {task.fields[docs]:,} docs "
                         "{task.fields[tokens]:,} tokens {task.fields[rate]:,.0f} tok/s")
     t0 = time.perf_counter()
@@ -525,21 +526,16 @@ def _write_splits(stage, files, dtype, o, conns, show):
             docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
             bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
                        rate=tokens / max(time.perf_counter() - t0, 1e-9))
-            if len(lengths) == 0:
-                continue
-            if held is not None:
-                _add(writers, *held)
-                held = None
-            if n_val or f == 0:
-                _add(writers, toks, lengths, is_val)
-            else:
+            if len(lengths):
+                if held is not None:
+                    _add(writers, *held)
                 held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
-    if held is not None:  # round(docs * f) is 0: the last document is the validation split
+    if n_val == 0 and f:  # round(docs * f) is 0: the last document is the validation split
         held[2][-1] = True
-        _add(writers, *held)
+    _add(writers, *held)
     for w in writers.values():
         w.close()
     return writers, {"documents": docs, "empty_documents_skipped": empty,
