@@ -80,10 +80,7 @@ class Options:
 
 def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
     """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
-    if flag in ("byte", "gpt2"):
-        if eos_token:
-            raise DataError(f"--eos-token is for tokenizer files; the {flag} tokenizer has its EOS "
-                            "built in")
+    if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
         return load_tokenizer({"name": flag}), None
     path = Path(flag)
     if not path.is_file():
