@@ -212,15 +212,9 @@ def _batched(documents):
 # -----------------------------------------------------------------------------
 # tokenization, in worker processes
 
-_TOKENIZER = None  # set in each worker (and in this process when --workers 1)
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
-
-
-def _load_tokenizer(spec, directory):
-    global _TOKENIZER
-    _TOKENIZER = load_tokenizer(spec, directory)
 
 
 def _text_of(kind, raw, text_field):
@@ -255,17 +249,17 @@ def _json_type(value):
     return names.get(type(value), "number")
 
 
-def _encode_batch(items, dtype, text_field):
+def _encode_batch(tok, items, dtype, text_field):
     """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for
     an empty document, which is skipped, undecodable count, None or (item index, error message))."""
-    eos = np.array([_TOKENIZER.eos_id], dtype=dtype)
+    eos = np.array([tok.eos_id], dtype=dtype)
     pieces, lengths, bad = [], [], 0
     for i, (kind, raw) in enumerate(items):
         try:
             text, n_bad = _text_of(kind, raw, text_field)
         except ValueError as e:  # the parent names the file and line
             return None, None, bad, (i, str(e))
-        ids = _TOKENIZER.encode_array(text).astype(dtype, copy=False)
+        ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
         lengths.append(len(ids) + 1 if text else 0)  # an empty document is skipped
         bad += n_bad
@@ -273,7 +267,7 @@ def _encode_batch(items, dtype, text_field):
     return tokens, np.asarray(lengths, dtype=np.int64), bad, None
 
 
-def _worker(conn, parents_end, spec, directory):
+def _worker(conn, parents_end, tok):
     """A tokenizer process: batches in, their _encode_batch results out, on its own pipe."""
     # Ctrl-C reaches every process of the terminal's group: the parent alone decides, and ends the
     # workers with SIGTERM, which must then just end them.
@@ -281,20 +275,20 @@ def _worker(conn, parents_end, spec, directory):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _workers while it forked
     parents_end.close()  # so that recv() ends (EOFError) when the parent is gone
-    _load_tokenizer(spec, directory)
     with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is gone: so is the work
         while True:
             task = conn.recv()
             try:
-                result = _encode_batch(*task)
+                result = _encode_batch(tok, *task)
             except Exception as e:  # raised again in the parent
                 result = e
             conn.send(result)
 
 
 @contextlib.contextmanager
-def _workers(n, spec, directory):
-    """n tokenizer processes (their pipes), ended by SIGTERM however the block is left.
+def _workers(n, tok):
+    """n tokenizer processes (their pipes), each with a copy of `tok`, ended by SIGTERM however the
+    block is left.
 
     Not a multiprocessing.Pool: a pool worker that dies while it holds the shared task queue's
     lock (as SIGTERM to the process group does to an idle one) makes the pool's terminate() wait
@@ -307,8 +301,7 @@ def _workers(n, spec, directory):
         for _ in range(n):
             mine, theirs = ctx.Pipe()
             conns.append(mine)
-            procs.append(ctx.Process(target=_worker, args=(theirs, mine, spec, directory),
-                                     daemon=True))
+            procs.append(ctx.Process(target=_worker, args=(theirs, mine, tok), daemon=True))
             procs[-1].start()
             theirs.close()  # the worker's end lives in the worker alone: its death is an EOF here
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -323,14 +316,14 @@ def _workers(n, spec, directory):
             conn.close()
 
 
-def _encoded(files, dtype, conns, text_field):
+def _encoded(files, tok, dtype, conns, text_field):
     """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order. Batch k goes
     to worker k % n, one at a time each, so memory stays bounded whatever the corpus size, and a
     result is taken (and the worker given its next batch) in turn. No conns: in this process."""
     batches = _batched(read_documents(files, text_field))
     if not conns:
         for items, origins in batches:
-            yield origins, *_encode_batch(items, dtype, text_field)
+            yield origins, *_encode_batch(tok, items, dtype, text_field)
         return
     pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
 
@@ -469,16 +462,10 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
 def _build(stage, files, tok, tok_file, o, progress) -> dict:
     """Write the shards, the tokenizer file if any and, last, the manifest into `stage`."""
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.
-    spec, where = (tok.spec, None)
-    if tok_file:
-        spec, where = {**tok.spec, "file": tok_file.name}, tok_file.parent
-    if o.workers == 1:
-        _load_tokenizer(spec, where)
-        writers, stats = _write_splits(stage, files, dtype, o, None, progress)
-    else:  # the workers start before the progress bar's thread: forking with threads is unsafe
-        with _workers(o.workers, spec, where) as conns:
-            writers, stats = _write_splits(stage, files, dtype, o, conns, progress)
+    # the workers start before the progress bar's thread: forking with threads is unsafe
+    with _workers(o.workers, tok) if o.workers > 1 else contextlib.nullcontext() as conns:
+        stream = _encoded(files, tok, dtype, conns, o.text_field)
+        writers, stats = _write_splits(stage, files, stream, o, progress)
     if not writers["train"].shards:
         raise DataError(f"all {stats['documents']} documents went to the validation split, none is "
                         "left for training: give more documents or a smaller --val-fraction (0 for "
@@ -499,7 +486,7 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
     return manifest
 
 
-def _write_splits(stage, files, dtype, o, conns, show):
+def _write_splits(stage, files, stream, o, show):
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
@@ -510,7 +497,7 @@ def _write_splits(stage, files, dtype, o, conns, show):
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]tokenizing"), BarColumn(), counts, TimeElapsedColumn(),
                   disable=not (show and sys.stdout.isatty())) as bar, \
-            contextlib.closing(_encoded(files, dtype, conns, o.text_field)) as stream:
+            contextlib.closing(stream):
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
