@@ -29,18 +29,17 @@ import itertools
 import json
 import math
 import os
-import queue
 import re
 import resource
 import shutil
 import struct
-import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
+from numpy.lib.stride_tricks import sliding_window_view
 
 # torch is imported inside the few functions that make tensors: prepare.py uses this file, and its
 # commands should start in a fraction of a second, not wait seconds for torch.
@@ -51,20 +50,16 @@ MANIFEST_VERSION = 1
 # What each manifest field must hold: (in words, test). read_manifest checks them all, so that a
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
-MANIFEST_FIELDS = {
-    "dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
-    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
-    "eos_id": _COUNT,
-    "tokenizer": ("an object", lambda v: isinstance(v, dict)),
-    "splits": ("an object", lambda v: isinstance(v, dict)),
-}
+_OBJECT = ("an object", lambda v: isinstance(v, dict))
+MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
+                   "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
+                   "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
 SPLIT_FIELDS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
                 "shards": ("a list", lambda v: isinstance(v, list))}
-SHARD_FIELDS = {
-    "file": ("a file name", lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""),
-    "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-    "sha256": ("a string", lambda v: isinstance(v, str)),
-}
+SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
+                         and v.strip(".") != ""),  # a name inside the directory, no path
+                "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
+                "sha256": ("a string", lambda v: isinstance(v, str))}
 
 
 class DataError(ValueError):
@@ -95,10 +90,8 @@ def write_atomic(path, data: bytes):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.write_bytes(data)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no empty temporary behind
@@ -198,26 +191,15 @@ class ByteTokenizer:
     def encode_array(self, text):
         return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
 
-    def decode(self, ids):
-        out = bytearray()
-        for i in ids:
-            if i == self.eos_id:
-                out += EOS_TEXT.encode()
-            elif 0 <= i < 256:
-                out.append(i)
-            else:
-                raise ValueError(f"byte tokenizer: id {i} is outside 0..256")
-        return out.decode("utf-8", "replace")
+    def decode(self, ids):  # (an id past 256 is a ValueError of bytes())
+        eos = EOS_TEXT.encode()
+        return b"".join(eos if i == 256 else bytes((i,)) for i in ids).decode("utf-8", "replace")
 
 
 class GPT2Tokenizer:
     """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
-
-    tiktoken downloads its BPE file (r50k_base.tiktoken) on first use into TIKTOKEN_CACHE_DIR (or a
-    temp dir); offline, put a copy there under the name tiktoken gives it,
-    0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4 (the sha1 of its download URL). Text is encoded as
-    ordinary text: a document that spells "<|endoftext|>" does not produce the EOS id.
-    """
+    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the
+    EOS id. (tiktoken downloads the BPE file on first use, into TIKTOKEN_CACHE_DIR.)"""
 
     spec = {"name": "gpt2"}
 
@@ -249,11 +231,8 @@ class FileTokenizer:
     of EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
 
     def __init__(self, path, spec):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path}: reading tokenizer files needs the `tokenizers` package: pip "
-                            "install tokenizers") from None
+        from tokenizers import Tokenizer
+
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -306,11 +285,9 @@ def load_tokenizer(spec: dict, directory=None):
 class TokenSource:
     """One token stream made of memory-mapped files, read without copying where possible.
 
-    path: what was opened; files: its non-empty files; tokens[k]: file k's tokens (read-only);
-    starts: file k holds stream positions [starts[k], starts[k + 1]); dtype; num_tokens.
-    vocab_size, eos_id and tokenizer (the spec: load_tokenizer(source.tokenizer, source.path)) are
-    what a manifest records, None for raw sources. id_range() is the manifest's record (then
-    `recorded` is True) or one scan of the files.
+    files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
+    position starts[k]. vocab_size, eos_id and tokenizer (the spec: load_tokenizer(source.tokenizer,
+    source.path)) are what a manifest records, None for raw sources.
     """
 
     def __init__(self, path, files, dtype, max_token_id=None):
@@ -332,14 +309,11 @@ class TokenSource:
         self.num_tokens = self.starts[-1]
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        self.recorded = max_token_id is not None and self.dtype.kind == "u"
+        # A manifest's id range is trusted at first (so that a run starts at once), and each file
+        # is checked the first time it is read (check_vocab arms that); a raw source is scanned.
+        self.recorded = max_token_id is not None
         self._range = (0, max_token_id) if self.recorded else None
-        self.unchecked, self._vocab = set(), None  # files windows() checks at their first read
-        self._layouts = {}  # seq_len -> how windows of that length are found (see _layout)
-
-    def __repr__(self):
-        return (f"TokenSource({str(self.path)!r}, {self.num_tokens:,} {self.dtype.name} tokens in "
-                f"{len(self.files)} files)")
+        self.unchecked, self._vocab, self._rows = set(), None, {}
 
     def id_range(self) -> tuple:
         """(smallest, largest) token id: the manifest's record, else one vectorised scan."""
@@ -353,7 +327,7 @@ class TokenSource:
         return self.id_range()[1]
 
     def check_on_read(self, vocab_size: int):
-        """Check each file's ids against [0, vocab_size) the first time windows() reads it."""
+        """Check each file's ids against [0, vocab_size) the first time it is read."""
         self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
@@ -361,95 +335,80 @@ class TokenSource:
         else a copy of the pieces."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        pieces, t, k = [], start, bisect.bisect_right(self.starts, start) - 1
-        while t < start + n:  # from one file on into the next
-            pieces.append(self.tokens[k][t - self.starts[k] : start + n - self.starts[k]])
-            t, k = t + len(pieces[-1]), k + 1
-        if len(pieces) == 1:
-            return pieces[0]
-        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+        pieces, k = [], bisect.bisect_right(self.starts, start) - 1
+        while n > 0:  # from one file on into the next
+            lo = start - self.starts[k]
+            pieces.append(self.tokens[k][lo : lo + n])
+            start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids`: a (len(ids), seq_len + 1) array (see the module doc) in the
+        """The tokens of windows `ids`, a (len(ids), seq_len + 1) array (see the module doc) in the
         source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
         int64: the conversion happens in the same pass as the copy)."""
-        n, ids = seq_len + 1, np.asarray(ids)
-        if self.unchecked:
-            self._check(ids, seq_len)
+        ids, n = np.asarray(ids), seq_len + 1
         if len(self.tokens) == 1:
-            rows = self._layout(seq_len)  # (windows, n)
+            if self.unchecked:
+                self._check(0)
+            if seq_len not in self._rows:  # the windows as overlapping rows: one gather, a batch
+                self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
             if out is None:
-                return rows[ids]
-            out[...] = rows[ids]
+                return self._rows[seq_len][ids]
+            out[...] = self._rows[seq_len][ids]
             return out
-        out = np.empty((len(ids), n), self.dtype) if out is None else out
-        after = self._layout(seq_len).searchsorted(ids, side="right")  # (B,) 1 + window's file
-        # all windows' pieces, then one concatenate into out: a single C loop copies them, instead
-        # of one Python setitem per window
+        # Many files: a window's file is found among the first windows of the files (cached), and
+        # one concatenate of all the windows' pieces copies them, not a Python setitem each.
+        if seq_len not in self._rows:
+            self._rows[seq_len] = -(-np.array(self.starts) // seq_len)
+        first = self._rows[seq_len].searchsorted(ids, "right") - 1
+        if self.unchecked:  # the files these windows touch, checked at their first read
+            last = np.searchsorted(self.starts, (ids.astype(np.int64) + 1) * seq_len, "right")
+            for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first, last)))):
+                self._check(k)
         pieces, starts, tokens = [], self.starts, self.tokens
-        for w, k in zip(ids.tolist(), after.tolist()):
-            lo = w * seq_len - starts[k - 1]
-            piece = tokens[k - 1][lo : lo + n]
-            pieces.append(piece)
+        for w, k in zip(ids.tolist(), first.tolist()):  # (Python ints: no wrap past 2**32 tokens)
+            lo = w * seq_len - starts[k]
+            pieces.append(piece := tokens[k][lo : lo + n])
             h = len(piece)
-            while h < n:  # at a file's end: the window runs on into the next file(s)
-                piece = tokens[k][: n - h]
-                pieces.append(piece)
-                h, k = h + len(piece), k + 1
+            while h < n:  # at a file's end the window runs on into the next file(s)
+                k += 1
+                pieces.append(piece := tokens[k][: n - h])
+                h += len(piece)
+        out = np.empty((len(ids), n), self.dtype) if out is None else out
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _layout(self, seq_len):
-        # Cached per window length. One file: its windows as the overlapping rows of a strided view,
-        # so that a fancy index gathers them all in one call. Many: the first window of each file,
-        # ceil(starts[k] / seq_len), among which searching the window ids finds their files (with
-        # no multiply and cast of the ids per batch).
-        if seq_len not in self._layouts:
-            if len(self.tokens) == 1:
-                t, b = self.tokens[0], self.tokens[0].itemsize
-                shape = ((len(t) - 1) // seq_len, seq_len + 1)
-                self._layouts[seq_len] = as_strided(t, shape, (seq_len * b, b), writeable=False)
-            else:
-                self._layouts[seq_len] = -(-np.array(self.starts) // seq_len)
-        return self._layouts[seq_len]
-
-    def _check(self, ids, seq_len):
+    def _check(self, k):
         # A shard changed after prepare.py wrote it (same size: only `prepare.py verify` would
         # notice) must not reach the model as an index error deep in a step: one vectorised pass
-        # over each file the windows touch, once. (Python ints: ids come as uint32, and past 2**32
-        # tokens their products would wrap.)
-        for t in (w * seq_len for w in ids.tolist()):
-            a, b = (bisect.bisect_right(self.starts, i) - 1 for i in (t, t + seq_len))
-            for k in self.unchecked.intersection(range(a, b + 1)):
-                tokens, V = self.tokens[k], self._vocab
-                if tokens.max() >= V or tokens.min() < 0:
-                    i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
-                    raise DataError(
-                        f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                        f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                        "vocabulary, although the manifest says otherwise: was the file changed "
-                        f"after prepare.py wrote it? `python prepare.py verify {self.path}` "
-                        "checks every shard")
-                self.unchecked.discard(k)
+        # over each file, at its first read.
+        tokens, V = self.tokens[k], self._vocab
+        if tokens.max() >= V or tokens.min() < 0:
+            i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+            raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
+                            f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
+                            "vocabulary, although the manifest says otherwise: was the file "
+                            "changed after prepare.py wrote it? `python prepare.py verify "
+                            f"{self.path}` checks every shard")
+        self.unchecked.discard(k)
 
 
 def _raise_open_file_limit(n_files: int):
     # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the
     # usual soft limit of 1024. Raise it up to the hard limit, and say so if that is not enough.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = n_files + 256
-    if soft == resource.RLIM_INFINITY or need <= soft:
-        return
-    if hard != resource.RLIM_INFINITY and hard < need:
+    need, inf = n_files + 256, resource.RLIM_INFINITY
+    if hard != inf and hard < need:
         raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; "
                         "raise `ulimit -n`")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    if soft != inf and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
     """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A
-    manifest's range is trusted now, and each file checked again the first time windows() reads
-    it: a shard edited after prepare.py keeps its size, and the manifest cannot know."""
+    manifest's range is trusted now, and each file checked again the first time it is read: a shard
+    edited after prepare.py keeps its size, and the manifest cannot know."""
     lo, hi = source.id_range()
     if lo < 0 or hi >= vocab_size:
         theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
@@ -503,10 +462,12 @@ def read_manifest(directory) -> dict:
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        total = sum(shard["tokens"] for shard in split["shards"])
-        if split["tokens"] != total:
-            raise DataError(f"{path}: split {name!r} says {split['tokens']} tokens, but its shards "
-                            f"add up to {total}")
+        # a split's totals are what readers trust (max_token_id: the vocabulary check)
+        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
+            found = total([0] + [shard[key] for shard in split["shards"]])
+            if split[key] != found:
+                raise DataError(f"{path}: split {name!r} says {key} {split[key]}, but its shards "
+                                f"say {found}")
     return m
 
 
@@ -530,16 +491,15 @@ def _prepared(p, split, dtype):
         have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
         raise NoSplit(f"{p}: expected a {split!r} split, found only {have} (prepared with "
                       "--val-fraction 0?)")
-    itemsize = np.dtype(m["dtype"]).itemsize
-    for shard in s["shards"]:  # the sizes the manifest promises, before anything is mapped
-        f, want = p / shard["file"], shard["tokens"] * itemsize
+    files = [p / shard["file"] for shard in s["shards"]]
+    for f, shard in zip(files, s["shards"]):  # the sizes the manifest promises, before mapping
+        want = shard["tokens"] * np.dtype(m["dtype"]).itemsize
         if not f.exists():
             raise DataError(f"{f}: listed in {MANIFEST} but missing")
         if f.stat().st_size != want:
             raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
                             f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
                             f"verify {p}`")
-    files = [p / shard["file"] for shard in s["shards"]]
     source = TokenSource(p, files, m["dtype"], s["max_token_id"])
     source.vocab_size, source.eos_id = m["vocab_size"], m["eos_id"]
     source.tokenizer = m["tokenizer"]
@@ -578,26 +538,22 @@ def _megatron(p, split, dtype):
     if not idx.exists():
         return None
     _one_stream(prefix, split, "a Megatron dataset")
-    if not binf.exists():
-        raise DataError(f"{binf}: missing; a Megatron dataset needs both {idx.name} and "
-                        f"{binf.name}")
     size, o = idx.stat().st_size, MEGATRON_HEADER.size
     if size < o:
         raise DataError(f"{idx}: expected a {o}-byte header at least, found {size} bytes")
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
-    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(bytes(raw[:o]))
-    if magic != MEGATRON_MAGIC:
-        raise DataError(f"{idx}: expected the magic {MEGATRON_MAGIC!r}, found {magic!r}; not a "
-                        "Megatron index")
-    if version != 1:
-        raise DataError(f"{idx}: expected version 1, found {version}")
-    if code not in MEGATRON_DTYPES:
-        raise DataError(f"{idx}: expected a dtype code in {sorted(MEGATRON_DTYPES)} (integer "
-                        f"tokens), found {code}")
+    magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
+    for ok, want, found in [
+            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}; not a Megatron "
+             "index"),
+            (version == 1, "version 1", version),
+            (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)} (integer tokens)",
+             code),
+            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes (34 + 12 x {S} sequences + 8 "
+             f"x {D} document boundaries)", size)]:
+        if not ok:
+            raise DataError(f"{idx}: expected {want}, found {found}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
-    if size != o + 12 * S + 8 * D:
-        raise DataError(f"{idx}: expected {o + 12 * S + 8 * D} bytes (34 + 12 x {S} sequences + "
-                        f"8 x {D} document boundaries), found {size}")
     lengths = np.frombuffer(raw, "<i4", S, o).astype(np.int64)  # (S,) tokens per sequence
     pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence
     docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) first sequence of each document, then S
@@ -627,26 +583,21 @@ def _raw_file(p, split, dtype):
     if not p.is_file():
         return None
     _one_stream(p, split, "a single token file")
-    # trained on as token ids, text would be garbage ids without a word of warning
-    found = f"a {p.suffix} file" if p.suffix.lower() in TEXT_SUFFIXES else _text_sample(p)
-    if found:
+    # Trained on as token ids, text would be garbage without a word of warning. Token ids are
+    # almost never printable UTF-8: small ids hold zero bytes, large ones bytes that are not UTF-8.
+    with open(p, "rb") as f:
+        head = f.read(1 << 16)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
+    except UnicodeDecodeError:
+        text = ""
+    printable = text and all(c.isprintable() or c in "\t\n\r\f" for c in text)
+    if p.suffix.lower() in TEXT_SUFFIXES or printable:
+        found = f"a {p.suffix} file" if p.suffix.lower() in TEXT_SUFFIXES else "UTF-8 text"
         raise DataError(f"{p}: expected a file of token ids, found {found}, which holds text, not "
                         f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
                         "and pass --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
-
-
-def _text_sample(p, size=1 << 16):
-    """'UTF-8 text' when the file's first bytes are printable UTF-8 text, else None. Token ids
-    almost never are: small ids hold zero bytes, large ones bytes that are not UTF-8."""
-    with open(p, "rb") as f:
-        head = f.read(size)
-    try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
-    except UnicodeDecodeError:
-        return None
-    printable = all(c.isprintable() or c in "\t\n\r\f" for c in text)
-    return "UTF-8 text" if text and printable else None
 
 
 FORMAT_OPENERS = [  # (what it is, its opener), in the order open_tokens tries them
@@ -660,13 +611,10 @@ FORMATS = ", ".join(what for what, _ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS.
-
-    `split` picks train or val where the format has both; the others hold one stream, the train
-    split, and refuse another with NoSplit. `dtype` is for raw files and shard directories (default
-    uint16); a format that records its dtype refuses a different one. Missing paths, unknown
-    layouts and malformed files raise DataError.
-    """
+    """Open a token stream of one of the FORMATS. `split` picks train or val where the format has
+    both; the others hold one stream, the train split, and refuse another with NoSplit. `dtype` is
+    for raw files and shard directories (default uint16); a format that records its dtype refuses
+    another."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for _, opener in FORMAT_OPENERS:
@@ -703,18 +651,16 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     paths, weights = [], []
     for spec in specs:
         head, sep, tail = spec.rpartition(":")
-        weighted = sep and not Path(spec).exists()  # a path may hold a colon of its own
-        if spec == "synthetic":
-            raise DataError("--data synthetic: random tokens cannot be blended with other data; "
-                            "give it alone")
-        if weighted and not tail.replace(".", "", 1).isdigit():
+        if not sep or Path(spec).exists():  # a path may hold a colon of its own
+            head, tail = spec, "1"
+        elif not tail.replace(".", "", 1).isdigit():
             raise DataError(f"--data {spec!r}: expected a path, or PATH:WEIGHT with WEIGHT a "
                             f"positive number, found the weight {tail!r} (and no such path)")
-        if weighted and float(tail) == 0:
+        elif float(tail) == 0:
             raise DataError(f"--data {spec!r}: expected PATH:WEIGHT with a positive WEIGHT, found "
                             "0: a source weighted 0 would never be read; leave it out")
-        paths.append(head if weighted else spec)
-        weights.append(float(tail) if weighted else 1.0)
+        paths.append(head)
+        weights.append(float(tail))
     sources = [open_tokens(path, "train", dtype) for path in paths]
     first = sources[0].tokenizer  # raw token files record none: only manifests can be compared
     for path, source in zip(paths[1:], sources[1:]):
@@ -739,21 +685,16 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 class Batches:
     """The endless sequence of this rank's micro-batches (see the module doc).
 
-    Iterating yields `(x, y)`: int64 tensors of shape (micro_batch, seq_len) on `device` with
-    y[:, j] == x[:, j+1], for optimizer step s, micro-steps m = 0 .. accum_steps-1 in turn. Both are
-    views of one (micro_batch, seq_len + 1) buffer offset by a token (one copy of the tokens, one
-    transfer to a GPU), so they are not contiguous: call .contiguous() where a consumer needs it
-    (the model does not).
-      - sources: one TokenSource or a list; with several, `weights` (default equal) blend them.
-      - global_batch: sequences per optimizer step over all ranks and micro-steps; a multiple of
-        micro_batch * world_size, and accum_steps = global_batch // (micro_batch * world_size).
-      - prefetch: build micro-batches in a thread while the caller trains on the current one.
-      - device: CUDA targets get pinned host memory and non_blocking copies.
-    state_dict() is a few numbers: consumed samples, per-source counts, and the settings that define
-    the sequence (global_batch, seq_len, seed, weights). load_state_dict() accepts a state saved
-    with another world_size or micro_batch (elastic resume) and refuses one saved with another
-    global_batch, seq_len, seed or blend. With prefetch the state is what the caller has taken, not
-    what the thread has built.
+    Yields (x, y) for optimizer step s, micro-steps m = 0 .. accum_steps - 1 in turn: int64 tensors
+    of shape (micro_batch, seq_len) on `device`, y[:, j] == x[:, j + 1]. Both are views of one
+    (micro_batch, seq_len + 1) buffer (one copy of the tokens, one transfer to a GPU), so they are
+    not contiguous. global_batch, the sequences of an optimizer step over all ranks, is a multiple
+    of micro_batch * world_size; several sources are blended by `weights` (default equal); prefetch
+    builds the next micro-batch in a thread while the caller trains on this one.
+
+    state_dict() is the count of consumed samples (and per source) and the settings that define the
+    sequence. load_state_dict() accepts a state saved with another world_size or micro_batch
+    (elastic resume) and refuses one saved with another global_batch, seq_len, seed or blend.
     """
 
     def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0,
@@ -782,23 +723,32 @@ class Batches:
             if n < 1:
                 raise DataError(f"{s.path}: expected at least seq_len + 1 = {seq_len + 1} tokens, "
                                 f"found {s.num_tokens}")
-        self.weights = _blend_weights(weights, len(self.sources))
+        ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
+        if len(ws) != len(self.sources) or min(ws) <= 0:
+            raise DataError(f"blend weights: expected {len(self.sources)} positive weights, one "
+                            f"per source (train.py: --data PATH:WEIGHT), found {weights}")
+        self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        self._torch, self.device = torch, torch.device(device)
-        self._cuda = self.device.type == "cuda"  # pinned memory and non_blocking copies
+        self.device = torch.device(device)
         # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
-        self._lock = threading.Lock()  # the order caches are shared with the prefetch thread
-        self._prefetch = _Prefetch(self._build) if prefetch else None
+        # prefetch: the next micro-batch is built in a thread while the caller trains on this one
+        self._pool, self._ahead = ThreadPoolExecutor(1) if prefetch else None, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        build = self._build if self._prefetch is None else self._prefetch
-        x, y, self._consumed, self._counts = build(self._consumed, self._counts)
+        if self._pool is None:
+            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
+            return x, y
+        ahead = self._ahead or self._pool.submit(self._build, self._consumed, self._counts)
+        self._ahead = None  # after an error, the next call starts again from the caller's state
+        # each build returns the state after it: the caller's state is what it has taken
+        x, y, self._consumed, self._counts = ahead.result()
+        self._ahead = self._pool.submit(self._build, self._consumed, self._counts)
         return x, y
 
     def state_dict(self) -> dict:
@@ -826,34 +776,33 @@ class Batches:
 
     def close(self):
         """Stop the prefetch thread, if one runs (the next batch starts it again)."""
-        if self._prefetch is not None:
-            self._prefetch.stop()
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)  # waits for a build under way
+            self._pool, self._ahead = ThreadPoolExecutor(1), None
 
     def _build(self, consumed, counts):
-        """This rank's micro-batch starting at global sample `consumed`, as a pure function of the
-        state: (x, y, consumed, counts) with the state after the whole micro-step (all ranks)."""
+        """This rank's micro-batch at global sample `consumed`, a pure function of the state: (x,
+        y, and the state after the whole micro-step of all ranks)."""
+        import torch
+
         B, L, n = self.micro_batch, self.seq_len, self.micro_batch * self.world_size
-        g = self._empty_batch()  # (B, L + 1) int64: the windows, converted on the way in
-        if len(self.sources) == 1:
-            with self._lock:  # this rank's slice of the micro-step
-                ids = self._window_ids(0, counts[0] + self.rank * B, B)
-            self.sources[0].windows(ids, L, out=g)
+        cuda = self.device.type == "cuda"  # pinned memory, so that the copy can be asynchronous
+        g = np.empty((B, L + 1), np.int64) if not cuda else torch.empty(
+            (B, L + 1), dtype=torch.int64, pin_memory=True).numpy()
+        if len(self.sources) == 1:  # this rank's slice of the micro-step, converted on the way in
+            self.sources[0].windows(self._window_ids(0, counts[0] + self.rank * B, B), L, out=g)
             counts = (counts[0] + n,)
         else:
             src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, n)
             for k in np.unique(src).tolist():
                 rows = np.flatnonzero(src == k)  # consecutive samples in source k's own order
-                with self._lock:
-                    ids = self._window_ids(k, int(first[rows[0]]), len(rows))
-                g[rows] = self.sources[k].windows(ids, L)
-        # x and y are views of the one buffer, offset by a token: one copy of the tokens, one
-        # transfer
-        if self._cuda:
-            g = self._torch.from_numpy(g).to(self.device, non_blocking=True)
+                g[rows] = self.sources[k].windows(self._window_ids(k, first[rows[0]], len(rows)), L)
+        # x and y are views of the one buffer, offset by a token: one copy, one transfer
+        if cuda:
+            g = torch.from_numpy(g).to(self.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + n, counts
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
-        x, y = self._torch.from_numpy(g[:, :-1]), self._torch.from_numpy(g[:, 1:])
-        return x, y, consumed + n, counts
+        return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
     def _window_ids(self, k, first, n):
         """Window ids of source k's samples first .. first + n - 1: slices of epoch orders."""
@@ -877,13 +826,6 @@ class Batches:
                 cache.pop(min(cache))
             cache[epoch] = order
         return cache[epoch]
-
-    def _empty_batch(self):
-        shape = (self.micro_batch, self.seq_len + 1)
-        if not self._cuda:
-            return np.empty(shape, np.int64)
-        # pinned host memory, so that the copy to the GPU can be asynchronous (non_blocking=True)
-        return self._torch.empty(shape, dtype=self._torch.int64, pin_memory=True).numpy()
 
 
 def _blend(consumed, counts, shares, lo, B, n):
@@ -910,70 +852,16 @@ def _blend(consumed, counts, shares, lo, B, n):
     return src, idx, tuple(c)
 
 
-def _blend_weights(weights, n):
-    ws = [Fraction(str(w)) for w in weights or [1] * n]  # "0.7" -> 7/10 exactly
-    if len(ws) != n or min(ws) <= 0:
-        raise DataError(f"blend weights: expected {n} positive weights, one per source (train.py: "
-                        f"--data PATH:WEIGHT), found {weights}")
-    return [w / sum(ws) for w in ws]
-
-
-class _Prefetch:
-    """build(consumed, counts) run ahead in a thread: each item carries the state after it, so the
-    caller's state is what it has taken. Called like build itself; restarts from the caller's
-    state after stop()."""
-
-    def __init__(self, build):
-        self.build, self.thread = build, None
-
-    def __call__(self, consumed, counts):
-        if self.thread is None:
-            self.queue, self.stopping = queue.Queue(maxsize=2), threading.Event()
-            self.thread = threading.Thread(target=self._loop, args=(consumed, counts), daemon=True)
-            self.thread.start()
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            self.thread = None
-            raise item
-        return item
-
-    def _loop(self, consumed, counts):
-        try:
-            while not self.stopping.is_set():
-                item = self.build(consumed, counts)
-                consumed, counts = item[2], item[3]
-                while not self.stopping.is_set():
-                    with contextlib.suppress(queue.Full):
-                        self.queue.put(item, timeout=0.1)
-                        break
-        except BaseException as e:  # handed to the consumer, which raises it
-            self.queue.put(e)
-
-    def stop(self):
-        if self.thread is not None:
-            self.stopping.set()
-            while self.thread.is_alive():  # drain, so that a put blocked on a full queue returns
-                with contextlib.suppress(queue.Empty):
-                    self.queue.get_nowait()
-                self.thread.join(0.05)
-            self.thread = None
-
-
 # -----------------------------------------------------------------------------
 # validation
 
 
 def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1, device="cpu"):
     """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the
-    same at every call.
-
-    The source has (num_tokens - 1) // seq_len windows. The batches are windows [0, micro_batch),
-    [micro_batch, 2 * micro_batch), ... up to `num_batches` of them, or as many full batches as
-    exist; a source with fewer windows than one micro_batch gives a single smaller batch, and one
-    with no window at all is a DataError. Batch j goes to rank j % world_size, so the ranks together
-    cover exactly the windows of world_size=1 (a rank may get one batch fewer than another, or
-    none: sum losses and counts across ranks, not per-rank means).
-    """
+    same at every call: windows [0, micro_batch), [micro_batch, 2 micro_batch), ... as many full
+    batches as exist up to `num_batches`, or a single smaller one when there are fewer windows than
+    micro_batch. Batch j goes to rank j % world_size (a rank may get one batch fewer than another,
+    or none: sum losses and counts across ranks, not per-rank means)."""
     import torch
 
     windows = (source.num_tokens - 1) // seq_len
@@ -984,9 +872,6 @@ def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1,
     bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
     pin = torch.device(device).type == "cuda"
     for j in range(rank, len(bounds), world_size):
-        g = source.windows(np.arange(*bounds[j]), seq_len)  # (b, L + 1)
-        x = torch.from_numpy(g[:, :-1].astype(np.int64))
-        y = torch.from_numpy(g[:, 1:].astype(np.int64))
-        if pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        yield x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+        g = torch.from_numpy(source.windows(np.arange(*bounds[j]), seq_len).astype(np.int64))
+        g = (g.pin_memory() if pin else g).to(device, non_blocking=pin)
+        yield g[:, :-1], g[:, 1:]  # views of one buffer offset by a token, as Batches gives

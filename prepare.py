@@ -7,23 +7,22 @@
     python prepare.py info data/mine                     # statistics and a decoded sample
 
 Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
-files (one file is one document) and .jsonl files (one line is one document: its "text" field),
-each optionally gzipped, and .parquet files (one row is one document: its "text" column, read alone,
-a slice of a row group at a time; a null is an empty document); --text-field names another field or
-column. Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input
-order) goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
+files (one file is one document), .jsonl files (one line is one document: its "text" field), each
+optionally gzipped, and .parquet files (one row is one document: its "text" column, read a slice of
+a row group at a time; a null is an empty document); --text-field names another field or column.
+Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input order)
+goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
 document, the first at about 1/(2f), so that neither the start nor a large first file is favoured,
-and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than 1/(2f)
-documents, f > 0), the last document is the validation split. The rest go to train; each split is
-cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in --workers
-processes; results come back in input order, so the output is byte-identical for any worker count.
+and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than
+1/(2f) documents, f > 0), the last document is the validation split. The rest go to train; each
+split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in
+--workers processes; results come back in input order, so the output is byte-identical for any
+worker count.
 
-The output is built in a hidden directory beside --out-dir (shards fsynced, manifest.json last) and
-put in its place only when complete (data.replace_dir), so a failure or a kill never leaves a
-half-written directory that looks valid and never loses the previous output; the next run finishes
-or undoes a swap a kill interrupted. Files you added to a previous output move into the new one.
-Ctrl-C and SIGTERM stop the command (workers included) within a second or so, exit 130 or 143,
-remove the hidden directory and leave the previous output as it was.
+The output is built in a hidden directory beside --out-dir and put in its place only when complete
+(data.replace_dir): a failure or a kill never leaves a half-written directory that looks valid,
+never loses the previous output, and files you added to a previous output move into the new one.
+Ctrl-C and SIGTERM stop the command, workers included, within a second or so (exit 130 or 143).
 """
 import contextlib
 import dataclasses
@@ -48,7 +47,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
@@ -82,10 +80,7 @@ class Options:
 
 def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
     """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
-    if flag in ("byte", "gpt2"):
-        if eos_token:
-            raise DataError(f"--eos-token is for tokenizer files; the {flag} tokenizer has its EOS "
-                            "built in")
+    if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
         return load_tokenizer({"name": flag}), None
     path = Path(flag)
     if not path.is_file():
@@ -104,9 +99,7 @@ def _kind(path: Path):
     if path.name.endswith(".parquet"):  # compressed inside, never gzipped as a whole
         return "parquet"
     name = path.name.removesuffix(".gz")
-    if name.endswith(".jsonl"):
-        return "jsonl"
-    return "text" if name.endswith(TEXT_SUFFIXES) else None
+    return "jsonl" if name.endswith(".jsonl") else "text" if name.endswith(TEXT_SUFFIXES) else None
 
 
 def find_inputs(paths) -> list:
@@ -140,19 +133,15 @@ def demo_inputs(root=None) -> list:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])]
-    files.sort(key=lambda f: f.relative_to(root).parts)
-    if not files:
-        raise DataError(f"{root}: expected the Python standard library's .py files, found none (a "
-                        "zipped stdlib?)")
-    return files
+    return sorted(files, key=lambda f: f.relative_to(root).parts)
 
 
 def check_parquet(files, text_field="text"):
-    """Check, from the footers alone, that every .parquet file among `files` is one and has a
-    string column `text_field`: a bad file is refused before any work starts."""
+    """Refuse, from the footers alone and before any work starts, a .parquet file among `files`
+    that is not one or has no string column `text_field`."""
     parquet = [f for f in files if _kind(f) == "parquet"]
     if not parquet:
-        return
+        return  # pyarrow is imported only when needed: it takes a while
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -172,8 +161,7 @@ def check_parquet(files, text_field="text"):
 
 
 def _parquet_texts(path, text_field):
-    """The raw UTF-8 bytes of each row's text (b"" for a null), reading only that column, a slice
-    of one row group at a time."""
+    """The raw UTF-8 bytes of each row's text (b"" for a null), a slice of a row group at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -224,50 +212,36 @@ def _batched(documents):
 # -----------------------------------------------------------------------------
 # tokenization, in worker processes
 
-_TOKENIZER = None  # set in each worker (and in this process when --workers 1)
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _load_tokenizer(spec, directory):
-    global _TOKENIZER
-    _TOKENIZER = load_tokenizer(spec, directory)
-
-
-def _decode(raw: bytes):
-    """UTF-8 text and the number of undecodable byte sequences replaced by U+FFFD."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", "replace")
-        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
+WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
 
 def _text_of(kind, raw, text_field):
     """(text, undecodable count) of one document; a ValueError says what is wrong with a line."""
-    text, bad = _decode(raw)
+    try:
+        text, bad = raw.decode("utf-8"), 0
+    except UnicodeDecodeError:  # count the U+FFFD that replace bytes, not those in the text
+        text = raw.decode("utf-8", "replace")
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
     if kind == "text":
         return text, bad
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+    value = obj.get(text_field) if isinstance(obj, dict) else None
+    if not isinstance(value, str):
         if not isinstance(obj, dict):
             found = f"a JSON {_json_type(obj)}"
         elif text_field in obj:
-            found = f"a {_json_type(obj[text_field])} in {json.dumps(text_field)}, not a string"
+            found = f"a {_json_type(value)} in {json.dumps(text_field)}, not a string"
         else:
             found = f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}"
         raise ValueError(f"expected a JSON object with a string {json.dumps(text_field)} field "
                          f"(--text-field), found {found}")
-    text = obj[text_field]
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, from \ud800-style escapes, cannot be UTF-8
-        text, n = _SURROGATE.subn("\ufffd", text)
-        bad += n
-    return text, bad
+    text, n = _SURROGATE.subn("\ufffd", value)  # lone surrogates (\ud800 escapes) are not UTF-8
+    return text, bad + n
 
 
 def _json_type(value):
@@ -275,28 +249,25 @@ def _json_type(value):
     return names.get(type(value), "number")
 
 
-def _encode_batch(items, dtype, text_field):
+def _encode_batch(tok, items, dtype, text_field):
     """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for
     an empty document, which is skipped, undecodable count, None or (item index, error message))."""
-    eos = np.array([_TOKENIZER.eos_id], dtype=dtype)
+    eos = np.array([tok.eos_id], dtype=dtype)
     pieces, lengths, bad = [], [], 0
     for i, (kind, raw) in enumerate(items):
         try:
             text, n_bad = _text_of(kind, raw, text_field)
         except ValueError as e:  # the parent names the file and line
             return None, None, bad, (i, str(e))
+        ids = tok.encode_array(text).astype(dtype, copy=False)
+        pieces += [ids, eos] if text else []
+        lengths.append(len(ids) + 1 if text else 0)  # an empty document is skipped
         bad += n_bad
-        if not text:
-            lengths.append(0)
-            continue
-        ids = _TOKENIZER.encode_array(text)
-        pieces += [ids.astype(dtype, copy=False), eos]
-        lengths.append(len(ids) + 1)
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
     return tokens, np.asarray(lengths, dtype=np.int64), bad, None
 
 
-def _worker(conn, parents_end, spec, directory):
+def _worker(conn, parents_end, tok):
     """A tokenizer process: batches in, their _encode_batch results out, on its own pipe."""
     # Ctrl-C reaches every process of the terminal's group: the parent alone decides, and ends the
     # workers with SIGTERM, which must then just end them.
@@ -304,20 +275,20 @@ def _worker(conn, parents_end, spec, directory):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _workers while it forked
     parents_end.close()  # so that recv() ends (EOFError) when the parent is gone
-    _load_tokenizer(spec, directory)
     with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is gone: so is the work
         while True:
             task = conn.recv()
             try:
-                result = _encode_batch(*task)
+                result = _encode_batch(tok, *task)
             except Exception as e:  # raised again in the parent
                 result = e
             conn.send(result)
 
 
 @contextlib.contextmanager
-def _workers(n, spec, directory):
-    """n tokenizer processes (their pipes), ended by SIGTERM however the block is left.
+def _workers(n, tok):
+    """n tokenizer processes (their pipes), each with a copy of `tok`, ended by SIGTERM however the
+    block is left.
 
     Not a multiprocessing.Pool: a pool worker that dies while it holds the shared task queue's
     lock (as SIGTERM to the process group does to an idle one) makes the pool's terminate() wait
@@ -330,8 +301,7 @@ def _workers(n, spec, directory):
         for _ in range(n):
             mine, theirs = ctx.Pipe()
             conns.append(mine)
-            procs.append(ctx.Process(target=_worker, args=(theirs, mine, spec, directory),
-                                     daemon=True))
+            procs.append(ctx.Process(target=_worker, args=(theirs, mine, tok), daemon=True))
             procs[-1].start()
             theirs.close()  # the worker's end lives in the worker alone: its death is an EOF here
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -346,40 +316,34 @@ def _workers(n, spec, directory):
             conn.close()
 
 
-def _encoded(files, dtype, conns, text_field):
+def _encoded(files, tok, dtype, conns, text_field):
     """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order. Batch k goes
     to worker k % n, one at a time each, so memory stays bounded whatever the corpus size, and a
     result is taken (and the worker given its next batch) in turn. No conns: in this process."""
     batches = _batched(read_documents(files, text_field))
     if not conns:
         for items, origins in batches:
-            yield origins, *_encode_batch(items, dtype, text_field)
+            yield origins, *_encode_batch(tok, items, dtype, text_field)
         return
     pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
-    for k, (items, origins) in enumerate(batches):
-        done = _result(*pending.popleft()) if len(pending) == len(conns) else None
-        try:
-            conns[k % len(conns)].send((items, dtype, text_field))
-        except OSError:  # a broken pipe: the worker is gone
-            raise DataError(WORKER_DIED) from None
-        pending.append((origins, conns[k % len(conns)]))
-        if done:
-            yield done
-    while pending:
-        yield _result(*pending.popleft())
 
-
-WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
-
-
-def _result(origins, conn):
-    try:
+    def take(origins, conn):
         result = conn.recv()
-    except (EOFError, OSError):  # a crash, or the kernel's out-of-memory killer
+        if isinstance(result, Exception):
+            raise result
+        return origins, *result
+
+    try:
+        for k, (items, origins) in enumerate(batches):
+            done = take(*pending.popleft()) if len(pending) == len(conns) else None
+            conns[k % len(conns)].send((items, dtype, text_field))
+            pending.append((origins, conns[k % len(conns)]))
+            if done:
+                yield done
+        while pending:
+            yield take(*pending.popleft())
+    except (EOFError, OSError):  # a pipe closed: a worker is gone (a crash, the OOM killer)
         raise DataError(WORKER_DIED) from None
-    if isinstance(result, Exception):
-        raise result
-    return origins, *result
 
 
 # -----------------------------------------------------------------------------
@@ -392,55 +356,37 @@ class ShardWriter:
     is fsynced when complete; `shards` collects the manifest entries. (No temporary names: the
     whole directory is a stage until replace_dir puts it in place.)"""
 
-    def __init__(self, directory: Path, split: str, dtype, shard_tokens: int):
-        self.directory, self.split, self.dtype = directory, split, np.dtype(dtype)
-        self.shard_tokens, self.shards, self._f = shard_tokens, [], None
+    def __init__(self, directory: Path, split: str, shard_tokens: int):
+        self.directory, self.split, self.shard_tokens, self.shards, self.f = (
+            directory, split, shard_tokens, [], None)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray):
         """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes (> 0)."""
-        ends = np.cumsum(lengths)  # (D,) where each document ends in `tokens`
-        i = 0
+        ends, i = np.cumsum(lengths), 0  # (D,) where each document ends in `tokens`
         while i < len(lengths):
-            if self._f is None:
-                self._open()
-            begin = int(ends[i - 1]) if i else 0
-            room = begin + self.shard_tokens - self._tokens
-            j = int(np.searchsorted(ends, room, side="right"))  # documents i .. j-1 fit
-            if j == i:
-                if self._tokens:
-                    self._close()
-                    continue
-                j = i + 1
+            if self.f is not None and self.entry["tokens"] + lengths[i] > self.shard_tokens:
+                self.close()
+            if self.f is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.f = open(self.directory / name, "wb", buffering=1 << 23)
+                self.hash = hashlib.sha256()
+                self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
+            begin, e = int(ends[i - 1]) if i else 0, self.entry
+            room = begin + self.shard_tokens - e["tokens"]
+            j = max(i + 1, int(np.searchsorted(ends, room, side="right")))  # documents i .. j-1
             chunk = tokens[begin : int(ends[j - 1])]
-            self._f.write(chunk.data)
-            self._hash.update(chunk.data)
-            self._max = max(self._max, int(chunk.max()))
-            self._tokens, self._docs, i = self._tokens + len(chunk), self._docs + j - i, j
-            if i < len(lengths):
-                self._close()
+            self.f.write(chunk.data)
+            self.hash.update(chunk.data)
+            e["tokens"], e["documents"], i = e["tokens"] + len(chunk), e["documents"] + j - i, j
+            e["max_token_id"] = max(e["max_token_id"], int(chunk.max()))
 
     def close(self):
-        if self._f is not None:
-            self._close()
-
-    def _open(self):
-        self._name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._f = open(self.directory / self._name, "wb", buffering=1 << 23)
-        self._hash, self._tokens, self._docs, self._max = hashlib.sha256(), 0, 0, 0
-
-    def _close(self):
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        self.shards.append({"file": self._name, "tokens": self._tokens, "documents": self._docs,
-                            "max_token_id": self._max, "sha256": self._hash.hexdigest()})
-
-
-def _split_summary(shards):
-    total = lambda key: sum(s[key] for s in shards)  # noqa: E731
-    return {"tokens": total("tokens"), "documents": total("documents"),
-            "max_token_id": max((s["max_token_id"] for s in shards), default=0), "shards": shards}
+        if self.f is not None:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            self.f = None
+            self.shards.append({**self.entry, "sha256": self.hash.hexdigest()})
 
 
 def _check_out(out: Path, files, overwrite: bool):
@@ -474,20 +420,17 @@ def _ours(old: Path) -> set:
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
     """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the
-    manifest. `options` are Options' fields.
-
-    All arguments are checked, and the tokenizer loaded, before any work starts. `out` is replaced
-    only once the new output is complete (see the module doc)."""
+    manifest. `options` are Options' fields. All are checked, and the tokenizer loaded, before any
+    work starts; `out` is replaced only once the new output is complete (see the module doc)."""
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
-    if not 0 <= o.val_fraction < 1:
-        raise DataError(f"--val-fraction: expected a fraction in [0, 1), found {o.val_fraction}")
-    if o.shard_tokens < 1:
-        raise DataError(f"--shard-tokens: expected a positive number of tokens, found "
-                        f"{o.shard_tokens}")
-    if o.workers < 1:
-        raise DataError(f"--workers: expected at least 1, found {o.workers}")
+    for ok, flag, want, value in [
+            (0 <= o.val_fraction < 1, "--val-fraction", "a fraction in [0, 1)", o.val_fraction),
+            (o.shard_tokens >= 1, "--shard-tokens", "a positive number of tokens", o.shard_tokens),
+            (o.workers >= 1, "--workers", "at least 1", o.workers)]:
+        if not ok:
+            raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
     out = Path(out)
     if out.is_symlink():  # the swap renames directories: write behind it, keep the link
@@ -519,23 +462,20 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
 def _build(stage, files, tok, tok_file, o, progress) -> dict:
     """Write the shards, the tokenizer file if any and, last, the manifest into `stage`."""
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    # Workers rebuild the tokenizer from its spec; a tokenizer file is read where the user keeps it.
-    spec, where = (tok.spec, None)
-    if tok_file:
-        spec, where = {**tok.spec, "file": tok_file.name}, tok_file.parent
-    if o.workers == 1:
-        _load_tokenizer(spec, where)
-        writers, stats = _write_splits(stage, files, dtype, o, None, progress)
-    else:  # the workers start before the progress bar's thread: forking with threads is unsafe
-        with _workers(o.workers, spec, where) as conns:
-            writers, stats = _write_splits(stage, files, dtype, o, conns, progress)
+    # the workers start before the progress bar's thread: forking with threads is unsafe
+    with _workers(o.workers, tok) if o.workers > 1 else contextlib.nullcontext() as conns:
+        stream = _encoded(files, tok, dtype, conns, o.text_field)
+        writers, stats = _write_splits(stage, files, stream, o, progress)
     if not writers["train"].shards:
         raise DataError(f"all {stats['documents']} documents went to the validation split, none is "
                         "left for training: give more documents or a smaller --val-fraction (0 for "
                         "none)")
     if tok_file:
         write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
-    splits = {name: _split_summary(w.shards) for name, w in writers.items()}
+    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
+                     "documents": sum(s["documents"] for s in w.shards),
+                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
+                     "shards": w.shards} for name, w in writers.items()}
     manifest = {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
         "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec, "splits": splits,
@@ -546,19 +486,18 @@ def _build(stage, files, tok, tok_file, o, progress) -> dict:
     return manifest
 
 
-def _write_splits(stage, files, dtype, o, conns, show):
-    writers = {s: ShardWriter(stage, s, dtype, o.shard_tokens) for s in ("train", "val")}
+def _write_splits(stage, files, stream, o, show):
+    writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
-    held = None  # a batch kept back while no document has gone to validation: its last may have to
-    columns = [TextColumn("[bold]tokenizing"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} files"),
-               TextColumn("{task.fields[docs]:,} docs"),
-               TextColumn("{task.fields[tokens]:,} tokens"),
-               TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn()]
+    held = None  # each batch is written when the next comes: the very last document may yet have
+    # to be the validation split
+    counts = TextColumn("{task.completed}/{task.total} files {task.fields[docs]:,} docs "
+                        "{task.fields[tokens]:,} tokens {task.fields[rate]:,.0f} tok/s")
     t0 = time.perf_counter()
-    with Progress(*columns, disable=not (show and sys.stdout.isatty())) as bar, \
-            contextlib.closing(_encoded(files, dtype, conns, o.text_field)) as stream:
+    with Progress(TextColumn("[bold]tokenizing"), BarColumn(), counts, TimeElapsedColumn(),
+                  disable=not (show and sys.stdout.isatty())) as bar, \
+            contextlib.closing(stream):
         task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
@@ -571,21 +510,16 @@ def _write_splits(stage, files, dtype, o, conns, show):
             docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
             bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
                        rate=tokens / max(time.perf_counter() - t0, 1e-9))
-            if len(lengths) == 0:
-                continue
-            if held is not None:
-                _add(writers, *held)
-                held = None
-            if n_val or f == 0:
-                _add(writers, toks, lengths, is_val)
-            else:
+            if len(lengths):
+                if held is not None:
+                    _add(writers, *held)
                 held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
-    if held is not None:  # round(docs * f) is 0: the last document is the validation split
+    if n_val == 0 and f:  # round(docs * f) is 0: the last document is the validation split
         held[2][-1] = True
-        _add(writers, *held)
+    _add(writers, *held)
     for w in writers.values():
         w.close()
     return writers, {"documents": docs, "empty_documents_skipped": empty,
@@ -617,55 +551,41 @@ def _is_val(n, f: Fraction):
 
 def verify(directory) -> list:
     """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS
-    count) and final EOS against the manifest, the split totals, and the tokenizer file. Returns the
-    problems found."""
+    count) and final EOS against the manifest, which read_manifest checks for consistency, and the
+    tokenizer file. Returns the problems found."""
     directory = Path(directory)
     try:
         m = read_manifest(directory)
     except DataError as e:
         return [str(e)]
     problems, dtype, eos = [], np.dtype(m["dtype"]), m["eos_id"]
-    for split, s in m["splits"].items():
-        for shard in s["shards"]:
-            f = directory / shard["file"]
-            if not f.is_file():
-                problems.append(f"{f}: missing (listed in {MANIFEST})")
-                continue
-            want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
-            if size != want:
-                problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} "
-                                f"tokens), found {size}")
-                continue
-            sha, top, eos_count, last = _scan_shard(f, dtype, eos)
-            if sha != shard["sha256"]:
-                problems.append(f"{f}: sha256 {sha[:16]}... differs from the manifest's "
-                                f"{shard['sha256'][:16]}...: the file changed after prepare.py "
-                                "wrote it")
-            if top != shard["max_token_id"]:
-                problems.append(f"{f}: max token id {top}, the manifest says "
-                                f"{shard['max_token_id']}")
-            if top >= m["vocab_size"]:
-                problems.append(f"{f}: token id {top} is outside the vocabulary of "
-                                f"{m['vocab_size']}")
-            if eos_count != shard["documents"]:
-                problems.append(f"{f}: {eos_count} EOS tokens, the manifest says "
-                                f"{shard['documents']} documents")
-            if last != eos:
-                problems.append(f"{f}: ends with token {last}, not EOS {eos}: a document is cut at "
-                                "the shard end")
-        if s["documents"] != sum(x["documents"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} document total disagrees with "
-                            "its shards")
-        if s["shards"] and s["max_token_id"] != max(x["max_token_id"] for x in s["shards"]):
-            problems.append(f"{directory / MANIFEST}: split {split} max_token_id disagrees with "
-                            "its shards")
-    spec = m["tokenizer"]
-    if isinstance(spec, dict) and spec.get("name") == "file":
-        f = directory / spec.get("file", "tokenizer.json")
+    for shard in (s for split in m["splits"].values() for s in split["shards"]):
+        f = directory / shard["file"]
         if not f.is_file():
-            problems.append(f"{f}: tokenizer file missing")
-        elif sha256(f) != spec.get("sha256"):
-            problems.append(f"{f}: sha256 differs from the manifest's tokenizer spec")
+            problems.append(f"{f}: missing (listed in {MANIFEST})")
+            continue
+        want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
+        if size != want:
+            problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), "
+                            f"found {size}")
+            continue
+        sha, top, eos_count, last = _scan_shard(f, dtype, eos)
+        problems += [f"{f}: {problem}" for bad, problem in [
+            (sha != shard["sha256"], f"sha256 {sha[:16]}... differs from the manifest's "
+             f"{shard['sha256'][:16]}...: the file changed after prepare.py wrote it"),
+            (top != shard["max_token_id"], f"max token id {top}, the manifest says "
+             f"{shard['max_token_id']}"),
+            (top >= m["vocab_size"], f"token id {top} is outside the vocabulary of "
+             f"{m['vocab_size']}"),
+            (eos_count != shard["documents"], f"{eos_count} EOS tokens, the manifest says "
+             f"{shard['documents']} documents"),
+            (last != eos, f"ends with token {last}, not EOS {eos}: a document is cut at the shard "
+             "end")] if bad]
+    if m["tokenizer"].get("name") == "file":  # there, and the file the spec names
+        try:
+            load_tokenizer(m["tokenizer"], directory)
+        except DataError as e:
+            problems.append(str(e))
     return problems
 
 
@@ -706,26 +626,24 @@ def say(text):
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that it unwinds as Ctrl-C's KeyboardInterrupt does."""
-
-
-def _terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
-    raise Terminated
-
-
 @contextlib.contextmanager
 def _stoppable(out: Path):
-    """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143: on the way out
-    replace_dir removes the stage and _workers ends the workers."""
-    manifest = out / MANIFEST
+    """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143. SIGTERM raises
+    KeyboardInterrupt too, so that both unwind alike: replace_dir removes the stage, _workers ends
+    the workers."""
+    manifest, terminated = out / MANIFEST, []
     before = manifest.read_bytes() if manifest.is_file() else None
-    handler = signal.signal(signal.SIGTERM, _terminated)
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
-    except (KeyboardInterrupt, Terminated) as e:
-        what, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C (SIGINT)", 130)
+    except KeyboardInterrupt:
+        what, code = ("SIGTERM", 143) if terminated else ("Ctrl-C (SIGINT)", 130)
         now = manifest.read_bytes() if manifest.is_file() else None
         kept = "is unchanged" if now == before else "holds the new output, which was complete"
         print(f"stopped by {what}: {out} {kept}", file=sys.stderr, flush=True)
@@ -788,15 +706,11 @@ def info_main(directory: Path = typer.Argument(..., help="A prepare.py output di
     """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
     with cli_errors(DataError):
         m, sample = info(directory)
-    table = Table(title=f"{directory}", title_justify="left")
-    for c in ("split", "tokens", "documents", "shards", "max token id"):
-        table.add_column(c, justify="left" if c == "split" else "right")
     for name, s in m["splits"].items():
-        table.add_row(name, f"{s['tokens']:,}", f"{s['documents']:,}", str(len(s["shards"])),
-                      str(s["max_token_id"]))
-    console.print(table)
+        say(f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in {len(s['shards'])} "
+            f"shards, max token id {s['max_token_id']}")
     say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
-          f"dtype {m['dtype']}")
+        f"dtype {m['dtype']}")
     say(f"stats {m.get('stats', {})}")
     say("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
     if sample is not None:
