@@ -520,13 +520,13 @@ def shard(model, cfg):
     gradient reduction stay float32."""
     bf16 = cfg.device == "cuda" and cfg.dtype == "bf16"
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
     for block in model.blocks:
         if cfg.compile:
             block.compile()
         fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
-    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
+    return fully_shard(model, mp_policy=policy)
 
 
 def catch_signals(cleanup):
