@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import typer
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import Progress
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from typer import Option
 

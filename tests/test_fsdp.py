@@ -118,27 +118,42 @@ def test_an_fsdp_checkpoint_is_any_checkpoint(runs):
         assert_close(state, theirs["state"][i])
 
 
-def _die_in_the_last_save(rank):
-    """Rank 1 is killed in the optimizer's gather of the step-20 save: rank 0 waits in it, is killed."""
+def _sigterm_in_step_12(rank):
+    """Rank 1 (which writes nothing) is sent SIGTERM in step 12: both finish it and save step 13."""
+    real, calls = train.micro_step, []
+
+    def micro_step(model, x, y, autocast):
+        calls.append(1)
+        if len(calls) == 2 * 12 + 1 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, x, y, autocast)
+
+    train.micro_step = micro_step
+
+
+def _die_in_the_second_save(rank):
+    """Rank 1 is killed in the optimizer's gather of the run's 2nd save: rank 0 waits in it, is killed."""
     real, calls = ckpt.dcp.get_optimizer_state_dict, []
 
     def gather(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4 and rank == 1:
+        if len(calls) == 2 and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
 
     ckpt.dcp.get_optimizer_state_dict = gather
 
 
-def test_fsdp_resume_after_kill_9_in_a_save_is_bit_identical(runs, corpus, tmp_path):
-    killed = tmp_path / "killed"
-    launch(corpus, killed, "--fsdp", fault=_die_in_the_last_save, codes=(-signal.SIGKILL,) * 2)
-    assert ckpt.list_steps(killed) == [5, 10, 15] and ckpt.read_meta(killed, 15, verify=True)
-    assert "resumed from" in launch(corpus, killed, "--fsdp")
-    assert losses(killed) == losses(runs[0])  # exactly
-    assert [r["step"] for r in records(killed)] == list(range(1, 21))
-    assert_same_weights(weights(runs[0], 20), weights(killed, 20))
+def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identically(runs, corpus, tmp_path):
+    out = tmp_path / "run"
+    assert "stopped by a signal on another rank at step 13" in launch(corpus, out, "--fsdp", fault=_sigterm_in_step_12)
+    assert ckpt.list_steps(out) == [5, 10, 13]
+    launch(corpus, out, "--fsdp", fault=_die_in_the_second_save, codes=(-signal.SIGKILL,) * 2)
+    assert ckpt.list_steps(out) == [10, 13, 15] and ckpt.read_meta(out, 15, verify=True)
+    assert "resumed from" in launch(corpus, out, "--fsdp")
+    assert losses(out) == losses(runs[0])  # exactly
+    assert [r["step"] for r in records(out)] == list(range(1, 21))
+    assert_same_weights(weights(runs[0], 20), weights(out, 20))
 
 
 def test_checkpoints_resume_across_fsdp_ddp_and_one_process(runs, corpus, tmp_path):
