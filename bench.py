@@ -4,6 +4,7 @@
     python bench.py data      # the data loader vs a raw copy of the same windows; prepare.py
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
+    python bench.py memory    # training state per rank with DDP and --fsdp; a step's peak memory
     python bench.py all       # the four above
     python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
 
@@ -548,6 +549,61 @@ def train_step(
                      f"{flops * tok_s / peak:.1%}" if peak else "-"])
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
                 ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
+    console.print(f"machine: {machine()}")
+
+
+@app.command()
+def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, measured step.")):
+    """Training state per rank with DDP and with --fsdp; a `small` step's peak on 2 CPU ranks.
+
+    The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
+    `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
+    import multiprocessing
+    import resource
+    import socket
+
+    import train as trainer
+
+    def state(lm, world, fsdp):  # weights, gradients, AdamW's 2 moments: 16 bytes a float32 weight;
+        # FSDP2 splits each tensor's rows into `world` equal chunks, the last one padded
+        return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
+                        for p in lm.parameters())
+
+    rows = []
+    for name in PRESETS:
+        with torch.device("meta"):
+            lm = Mamba3LM(PRESETS[name])
+        group = max(sum(p.numel() for p in lm.blocks[0].parameters()), lm.embed.weight.numel())
+        sizes = [state(lm, 1, False)] + [state(lm, w, True) for w in (1, 2, 8)] + [8 * group]
+        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"] + [f"{b / 1e9:.2f}" for b in sizes])
+    print_table("parameters + gradients + AdamW moments per rank, GB, float32 (on top: "
+                "activations; with FSDP, the weights and gradients of the block or root gathered)",
+                ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
+                rows)
+
+    L, ctx, rows = trainer.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
+    args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
+            "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
+
+    def peak(rank, port, args, peaks):  # one rank as torchrun starts it: 2 steps and an eval
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with contextlib.suppress(SystemExit):
+            trainer.app(args)
+        peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
+
+    for fsdp in (False, True):
+        with socket.socket() as s:  # a free port for the two to meet on
+            s.bind(("127.0.0.1", 0))
+            peaks, port = ctx.Array("d", 2), s.getsockname()[1]
+        ranks = [ctx.Process(target=peak, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
+                 for r in (0, 1)]
+        [p.start() for p in ranks], [p.join() for p in ranks]
+        rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
+    print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
     console.print(f"machine: {machine()}")
 
 

@@ -8,7 +8,9 @@ Step N of a run is three files; the meta records the other two's bytes and sha25
 Each file goes to a temporary name (".NAME.tmp") and is fsynced; the data files are renamed into
 place, then the meta as the commit, fsyncing the directory after each rename. A kill at any instant
 leaves the earlier steps and all of the new one or nothing that counts. One process writes a
-directory, holding lock(dir); any number may read. A step counts when its files have the sizes its
+directory, holding lock(dir); any number may read. A model sharded with FSDP is saved and loaded
+as full tensors, so its files are any run's: every rank calls save (the gather is collective) and
+rank 0 writes; every rank calls load. A step counts when its files have the sizes its
 meta records; load checks their sha256 too, before it changes anything. A step that fails is
 reported and skipped (load_latest falls back to an older one), never deleted.
 """
@@ -30,6 +32,9 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp
+from torch.distributed.tensor import DTensor
 
 from data import fsync, sha256
 
@@ -45,6 +50,8 @@ class CorruptCheckpoint(CheckpointError):
 STEP_FILE = re.compile(r"(?:model|optim|meta)_step_(0|[1-9][0-9]*)\.(?:safetensors|pt|json)")
 _written = set()  # (directory, step) saved by this process: known good, retention need not re-hash
 _warned = set()  # what list_steps skipped, reported once per process
+# a model sharded by FSDP2 and its optimizer <-> full tensors on the CPU (on rank 0 only, gathered)
+FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
 
 
 def _names(step):
@@ -53,8 +60,8 @@ def _names(step):
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
     """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
-    three paths. keep_last=K then deletes all but the K highest steps, never the one just written
-    nor one that fails to verify."""
+    three paths (None on the other ranks of a sharded model). keep_last=K then deletes all but the K
+    highest steps, never the one just written nor one that fails to verify."""
     if type(step) is not int or step < 0:  # another type would make a name list_steps never finds
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
@@ -66,13 +73,16 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
     _check_json(meta, "meta")
-    tensors = _independent(module.state_dict())
+    tensors, optimizer_state = _full_state(module, optimizer)
+    if tensors is None:  # a rank of a sharded model, which has sent its shards to rank 0
+        return None
+    tensors = _independent(tensors)
     # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
     numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
     rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
-    optim = {"optimizer": None if optimizer is None else optimizer.state_dict(), "rng": rng}
+    optim = {"optimizer": optimizer_state, "rng": rng}
     _check_plain(optim, "optimizer file")
 
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
@@ -109,6 +119,30 @@ def _unwrap(model):
     inner = getattr(model, "_orig_mod", getattr(model, "module", None))
     wrapper = isinstance(inner, torch.nn.Module) and list(model.children()) == [inner]
     return _unwrap(inner) if wrapper else model
+
+
+def _full_state(module, optimizer):
+    # A model sharded by FSDP2 (its parameters are DTensors) sends each tensor in turn to rank 0's
+    # CPU, so no rank holds it all on its device. Its optimizer's state, keyed by parameter name,
+    # is stored by number as an unsharded one's is, so that any run reads it. Rank 0 gets both,
+    # the other ranks (None, None).
+    if not _sharded(module):
+        return module.state_dict(), optimizer and optimizer.state_dict()
+    tensors = dcp.get_model_state_dict(module, options=FULL)
+    state = optimizer and dcp.get_optimizer_state_dict(module, optimizer, options=FULL)
+    if dist.get_rank() != 0:
+        return None, None
+    names = [name for group in state["param_groups"] for name in group["params"]] if state else []
+    return tensors, state and _rekey(state, {name: i for i, name in enumerate(names)})
+
+
+def _sharded(module):
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _rekey(state, key):  # an optimizer's state dict, its parameters renamed by `key`
+    return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": [
+        dict(group, params=[key[k] for k in group["params"]]) for group in state["param_groups"]]}
 
 
 def _independent(state):
@@ -254,11 +288,11 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     torch, CUDA, Python and NumPy RNGs."""
     d, module, (model_name, optim_name, _) = Path(dir), _unwrap(model), _names(step)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
-    path = d / model_name  # the file being parsed, for the message
+    path, sharded = d / model_name, _sharded(module)  # (path: the file being parsed, for errors)
     try:
         tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
-        path = d / optim_name
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        path = d / optim_name  # (sharded: kept on the CPU, each rank takes its shard from there)
+        state = torch.load(path, map_location="cpu" if sharded else map_location, weights_only=True)
     except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
             EOFError) as e:  # what the two libraries raise for bytes that are not their format
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
@@ -283,10 +317,19 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         if state["optimizer"] is None:
             raise CheckpointError(f"{where} was saved without optimizer state")
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            if sharded:  # the numbers name the live optimizer's parameters, in its order
+                names = {p: name for name, p in module.named_parameters()}
+                order = [names[p] for group in optimizer.param_groups for p in group["params"]]
+                named = _rekey(state["optimizer"], dict(enumerate(order)))
+                dcp.set_optimizer_state_dict(module, optimizer, named, options=FULL)
+            else:
+                optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: {e}") from None
-    module.load_state_dict(tensors, strict=False)  # copies in place: tied parameters stay tied
+    if sharded:  # every rank keeps its shards of the full tensors
+        dcp.set_model_state_dict(module, tensors, options=FULL)
+    else:
+        module.load_state_dict(tensors, strict=False)  # copies in place: tied parameters stay tied
     if restore_rng:  # the setters want CPU byte tensors, wherever map_location put them
         rng = state["rng"]
         torch.set_rng_state(rng["torch"].cpu())

@@ -3,6 +3,7 @@
     python prepare.py && python train.py --data data/demo         # CPU quickstart (small preset)
     python train.py --data data/fineweb --model 180m               # one GPU
     torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 440m
+    torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 1.5b --fsdp
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
 
 Read it top to bottom: the recipes (every preset's defaults), the config (which is the command
@@ -21,6 +22,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, List, Literal, Optional
 
@@ -31,6 +33,8 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import Progress
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from typer import Option
 
@@ -99,6 +103,8 @@ class TrainConfig:
     compile: Annotated[Optional[bool], Option("--compile/--no-compile",
                        help="torch.compile (default: on CUDA).")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute in backward: less memory.")] = False
+    fsdp: Annotated[bool, Option(help="Shard the weights, gradients and optimizer over the ranks "
+                    "(FSDP2): for models whose training state does not fit one GPU.")] = False
     # the vocabulary
     vocab_size: Annotated[Int, Option(min=1, help="Default: the data's, else 50257.")] = None
     data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype "
@@ -206,8 +212,9 @@ def train_step(model, batches, autocast, world, signals):
     stats = torch.zeros(2, device=next(model.parameters()).device)  # summed loss; signals seen
     for m in range(batches.accum_steps):
         x, y = next(batches)
-        # DDP averages gradients across ranks once per optimizer step, not at every micro-step
-        sync = world == 1 or m == batches.accum_steps - 1
+        # DDP averages gradients across ranks once per optimizer step, not at every micro-step;
+        # FSDP reduce-scatters each micro-step's, so every rank holds only its shard of the sum
+        sync = not isinstance(model, DDP) or m == batches.accum_steps - 1
         with contextlib.nullcontext() if sync else model.no_sync():
             loss = micro_step(model, x, y, autocast)
             (loss / batches.accum_steps).backward()
@@ -234,8 +241,14 @@ def evaluate(model, val, cfg, autocast, rank, world):
     return (total[0] / total[1]).item()
 
 
-def max_abs_weight(model):  # what "the weights blew up" measures
-    return torch.stack([p.detach().abs().max() for p in model.parameters()]).max().item()
+def max_abs_weight(model):
+    """What "the weights blew up" measures: over all ranks' shards, so that all agree to save."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    top = torch.stack([t.detach().abs().max() for t in local if t.numel()]  # (a shard may be
+                      + [local[0].new_zeros(())]).max()  # empty: a tensor of fewer rows than ranks)
+    if dist.is_initialized():
+        dist.all_reduce(top, dist.ReduceOp.MAX)
+    return top.item()
 
 
 @dataclasses.dataclass
@@ -348,7 +361,8 @@ def header(log, cfg, model, batches, val):
         + (f", reset after token {c.reset_token})" if c.reset_token is not None else ")"),
         f"device     {cfg.device}"
         + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
-        + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {world}",
+        + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {world}"
+        + (", FSDP" + " (without torchrun: nothing to shard)" * (world == 1)) * cfg.fsdp,
         f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x "
         f"{cfg.seq_len} tokens x {batches.accum_steps} accumulation x {world} ranks",
         "data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)"
@@ -465,10 +479,11 @@ def setup(cfg, init, tmp, cleanup):
     """What the loop runs on, in an order that refuses bad input before the run directory is
     touched: (rank, world size, local rank, batches, val source or None, model, optimizer)."""
     rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if "RANK" in os.environ:  # set by torchrun; plain python is a world of one
+    if "RANK" in os.environ or cfg.fsdp:  # set by torchrun; plain python is a world of one
         if cfg.device == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo")
+        alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend="nccl" if cfg.device == "cuda" else "gloo", **alone)
         cleanup.callback(dist.destroy_process_group)
     torch.manual_seed(cfg.seed)
     # the data: missing, malformed or out-of-vocabulary data is refused here, before anything else
@@ -482,6 +497,8 @@ def setup(cfg, init, tmp, cleanup):
         val = None  # header says that evaluation is off; the training is still worth running
     model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, batches.sources[0])
     model.to(f"cuda:{local}" if cfg.device == "cuda" else "cpu")
+    if cfg.fsdp:  # before the optimizer, which must hold the sharded parameters
+        shard(model, cfg)
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
                                   betas=(0.9, 0.95), eps=1e-8, fused=cfg.device == "cuda")
     out = Path(cfg.out_dir)
@@ -493,6 +510,23 @@ def setup(cfg, init, tmp, cleanup):
                              f"overwrite its config.json; use another --out-dir")
         cleanup.enter_context(ckpt.lock(out))  # one run per directory
     return rank, world, local, batches, val, model, optimizer
+
+
+def shard(model, cfg):
+    """FSDP2: each block, then the root (embedding, tied head, final norm) sharded over the ranks,
+    so each holds 1/world of the weights, gradients and AdamW moments, and gathers a block's
+    weights only while it computes. Each block is compiled before it is sharded, the order PyTorch
+    documents for FSDP2. On CUDA in bf16 the gathered weights are bf16; the master weights and the
+    gradient reduction stay float32."""
+    bf16 = cfg.device == "cuda" and cfg.dtype == "bf16"
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
+    for block in model.blocks:
+        if cfg.compile:
+            block.compile()
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
 
 
 def catch_signals(cleanup):
@@ -519,8 +553,8 @@ def run(cfg, init, tmp, cleanup):
     run_id = log.start_wandb(cfg, meta.get("wandb_run_id"))
     bar = cleanup.enter_context(log.progress).add_task("train", total=cfg.max_steps, completed=step)
     # `raw_model` is what is saved and restored; `model` may be wrapped for speed and for DDP
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if world > 1:
+    model = torch.compile(raw_model) if cfg.compile and not cfg.fsdp else raw_model
+    if world > 1 and not cfg.fsdp:
         model = DDP(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU
@@ -572,7 +606,7 @@ def run(cfg, init, tmp, cleanup):
             if why := guard.poison(raw_model):  # poison is never saved
                 log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event",
                     event="not_saved", step=step)
-            elif writes:
+            elif writes or cfg.fsdp and not cfg.dry_run:  # (FSDP: all ranks gather, rank 0 writes)
                 t0 = time.time()
                 save_checkpoint(cfg, step, raw_model, optimizer, dict(
                     tokens_seen=step * cfg.total_batch_size, skipped_steps=skipped,
