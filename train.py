@@ -515,9 +515,9 @@ def setup(cfg, init, tmp, cleanup):
 def shard(model, cfg):
     """FSDP2: each block, then the root (embedding, tied head, final norm) sharded over the ranks,
     so each holds 1/world of the weights, gradients and AdamW moments, and gathers a block's
-    weights only while it computes. Each block is compiled before it is sharded, the order PyTorch
-    documents for FSDP2. On CUDA in bf16 the gathered weights are bf16; the master weights and the
-    gradient reduction stay float32."""
+    weights only while it computes. Each block is compiled before it is sharded, as torchtitan
+    (PyTorch's FSDP2 trainer) orders them. On CUDA in bf16 the gathered weights are bf16; the master
+    weights and the gradient reduction stay float32."""
     bf16 = cfg.device == "cuda" and cfg.dtype == "bf16"
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
