@@ -350,8 +350,8 @@ def newest(dir, load_step):
             warnings.warn(f"{e}; trying an earlier step", stacklevel=3)
         except IncompleteCheckpoint:
             warnings.warn(f"checkpoint step {steps[-1]} in {dir} was deleted as it was read (by "
-                          "the retention of the run writing there); trying the newest step again",
-                          stacklevel=3)
+                          "the retention of the run writing there, or moved aside as it resumed); "
+                          "trying the newest step again", stacklevel=3)
         failed.add(steps[-1])
     return None, None
 

@@ -242,7 +242,7 @@ def check_memory(cfg, config):
     what = (f"a step needs about {(fixed + act) / 1e9:.1f} GB and the {cfg.device} has {free / 1e9:.1f}"
             f" GB free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters with their gradients "
             f"and AdamW state, {act / 1e9:.1f} GB for the activations of {cfg.batch_size} sequences "
-            f"of {cfg.seq_len} tokens" + f" on each of {ranks} ranks" * (ranks > 1) + ". Use "
+            f"of {cfg.seq_len} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1) + ". Use "
             + " or ".join(ways + ["a smaller --model"]))
     if cfg.device == "cpu" or fixed > free:
         raise TrainError(f"{what} (an estimate from measurements of float32 steps on a CPU)")
