@@ -15,6 +15,7 @@ meta records; load checks their sha256 too, before it changes anything. A step t
 reported and skipped (load_latest falls back to an older one), never deleted.
 """
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -47,11 +48,27 @@ class CorruptCheckpoint(CheckpointError):
     """A step's files cannot be trusted (hash mismatch, unreadable): load_latest tries older ones."""
 
 
+class IncompleteCheckpoint(CheckpointError):
+    """A file of the step is missing: a save cut short, or one deleted by retention as it is read."""
+
+
+class ModelMismatch(CheckpointError):
+    """Another model (config, keys, shapes) than the one it is loaded into: `what` says how."""
+
+    def __init__(self, what):
+        super().__init__(f"{what}. Build the model from its meta['model_config'], or where shapes "
+                         "agree strict=False loads the keys both have")
+        self.what = what
+
+
 STEP_FILE = re.compile(r"(?:model|optim|meta)_step_(0|[1-9][0-9]*)\.(?:safetensors|pt|json)")
 _written = set()  # (directory, step) saved by this process: known good, retention need not re-hash
 _warned = set()  # what list_steps skipped, reported once per process
 # a model sharded by FSDP2 and its optimizer <-> full tensors on the CPU (on rank 0 only, gathered)
 FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
+_UMASK = os.umask(0o022)  # Python reads the umask only by setting it: set back at once
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; safetensors writes 0600 whatever it is
 
 
 def _names(step):
@@ -89,6 +106,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     tmp = {name: d / f".{name}.tmp" for name in _names(step)}  # never a step's name
     writers = {model_name: lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"}),
                optim_name: lambda p: torch.save(optim, p)}
+    committed = False
     try:
         d.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(d)
@@ -100,13 +118,20 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
             fsync(d)
         for name in _names(step):  # the meta last, as the commit, once the data files are durable
             os.replace(tmp[name], d / name)
+            committed = name == meta_name
             fsync(d)
     except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
+        if committed:  # only the last fsync failed: the step is there, but may not outlive a crash
+            raise CheckpointError(f"checkpoint step {step} was written to {d}, but syncing the "
+                                  f"directory failed ({e}), so a power loss may undo it; the disk "
+                                  f"reports an error: check it before training on") from None
         for p in tmp.values():
             p.unlink(missing_ok=True)
         free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "no directory"
-        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. Free "
-                              f"space or fix permissions; the checkpoints there are untouched") from None
+        fix = ("The disk reports an I/O error: check it" if getattr(e, "errno", None) == errno.EIO
+               else "Free space or fix permissions")
+        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. "
+                              f"{fix}; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))
     if keep_last is not None:
         _retain(d, keep_last, step)
@@ -180,6 +205,7 @@ def _check_plain(x, where):
 def _write(tmp, write):
     # write(tmp), then fsync it while hashing it (measured: a third faster than one after the other)
     write(tmp)
+    os.chmod(tmp, FILE_MODE)
     with ThreadPoolExecutor(2) as pool:
         _, digest = pool.map(lambda f: f(tmp), [fsync, sha256])
     return {"bytes": tmp.stat().st_size, "sha256": digest}
@@ -217,6 +243,9 @@ def lock(dir):
         holder = (d / ".lock").read_text().strip() or "unknown"
         raise CheckpointError(f"{d} is in use by another run ({holder}); wait for it to finish or "
                               f"stop it, or use another directory") from None
+    except (FileExistsError, NotADirectoryError):  # (what mkdir and open say of a file there)
+        raise CheckpointError(f"{d} is a file (or lies under one), not a directory; use another "
+                              f"directory") from None
     except OSError as e:
         raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
                               f"permissions") from None
@@ -258,7 +287,7 @@ def read_meta(dir, step, verify=False):
     d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
     if not any((d / name).exists() for name in _names(step)):
         steps = list_steps(d) or "none"
-        raise CheckpointError(f"no checkpoint for step {step} in {d}; steps there: {steps}")
+        raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: {steps}")
     where = f"step {step} in {d}"
     try:
         meta = json.loads((d / meta_name).read_text())
@@ -268,17 +297,16 @@ def read_meta(dir, step, verify=False):
             if (size := (d / name).stat().st_size) != (want := meta["files"][name]["bytes"]):
                 raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} "
                                       f"says {want}")
+        with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
+            found = dict(zip(hashes, pool.map(sha256, [d / n for n in hashes] if verify else [])))
     except FileNotFoundError as e:  # also when retention removes one as we look: readers do not lock
-        raise CheckpointError(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
+        raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where} is unreadable: {d / meta_name} is not a valid meta file "
                               f"({e})") from None
-    if verify:
-        with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-            for name, found in zip(hashes, pool.map(sha256, [d / name for name in hashes])):
-                if found != hashes[name]:
-                    raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt "
-                                            "(sha256 mismatch)")
+    for name in found:
+        if found[name] != hashes[name]:
+            raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 mismatch)")
     return meta
 
 
@@ -293,8 +321,11 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
         tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
         path = d / optim_name  # (sharded: kept on the CPU, each rank takes its shard from there)
         state = torch.load(path, map_location="cpu" if sharded else map_location, weights_only=True)
+        _check_state(state)
+    except FileNotFoundError:  # hashed a moment ago: deleted since
+        raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
     except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
-            EOFError) as e:  # what the two libraries raise for bytes that are not their format
+            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
                                 f"({str(e)[:200]})") from None
     own, diffs, saved, absent = module.state_dict(), [], meta.get("model_config"), "<absent>"
@@ -307,9 +338,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
               for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
     if shapes or (diffs and strict):  # a shape that differs is an error even with strict=False
-        raise CheckpointError(f"{where} does not fit the model: {'; '.join(diffs + shapes)}. Build "
-                              f"the model from its meta['model_config'], or where shapes agree "
-                              f"strict=False loads the keys both have")
+        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
     if diffs:
         warnings.warn(f"{where} is from another model, loading the keys both have: "
                       f"{'; '.join(diffs)}", stacklevel=2)
@@ -324,7 +353,7 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
                 dcp.set_optimizer_state_dict(module, optimizer, named, options=FULL)
             else:
                 optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: {e}") from None
     if sharded:  # every rank keeps its shards of the full tensors
         dcp.set_model_state_dict(module, tensors, options=FULL)
@@ -340,12 +369,39 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
     return meta
 
 
-def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
-    """Load the newest step that verifies: (step, meta), or (None, None). A corrupt step falls back
-    to an older one; a step that does not fit the model is an error (older ones would not either)."""
-    for step in reversed(list_steps(dir)):
+def _check_state(state):
+    # a file whose hash matches may hold another structure than save()'s (written by hand, or by
+    # another tool): each RNG state is tried on a scratch generator, before anything changes
+    rng = state["rng"]
+    if not isinstance(state["optimizer"], (dict, type(None))) or not isinstance(rng["cuda"], (
+            torch.Tensor, type(None))):
+        raise TypeError("expected {'optimizer': a state dict or None, 'rng': RNG states}")
+    torch.Generator().set_state(rng["torch"].cpu())
+    random.Random().setstate(rng["python"])
+    np.random.RandomState().set_state(tuple(rng["numpy"].values()))
+
+
+def newest(dir, load_step):
+    """(step, load_step(step)) for the newest step of `dir` that loads, or (None, None). A corrupt
+    step is reported and passed over; one whose files vanish as it is read was deleted by the
+    retention of the run writing there (readers take no lock): the steps are listed again."""
+    failed = set()
+    while steps := [s for s in list_steps(dir) if s not in failed]:
         try:
-            return step, load(dir, step, model, optimizer, map_location, strict, restore_rng)
+            return steps[-1], load_step(steps[-1])
         except CorruptCheckpoint as e:
-            warnings.warn(f"{e}; trying an earlier step", stacklevel=2)
+            warnings.warn(f"{e}; trying an earlier step", stacklevel=3)
+        except IncompleteCheckpoint:
+            warnings.warn(f"checkpoint step {steps[-1]} in {dir} was deleted as it was read (by "
+                          "the retention of the run writing there, or moved aside as it resumed); "
+                          "trying the newest step again", stacklevel=3)
+        failed.add(steps[-1])
     return None, None
+
+
+def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
+    """Load the newest step that verifies: (step, meta), or (None, None). A corrupt or vanished step
+    falls back (see newest); a step that does not fit the model is an error (older ones would not
+    either)."""
+    return newest(dir, lambda step: load(dir, step, model, optimizer, map_location, strict,
+                                          restore_rng))

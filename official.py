@@ -30,8 +30,8 @@ the real tokens in anything that takes a softmax over all of them (the harness, 
 """
 import dataclasses
 import json
+import os
 import re
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -213,31 +213,47 @@ def state_dict_from_official(state, cfg, where) -> dict:
 
 def load_model(run_dir, step=None):
     """(model in eval mode, meta, step) rebuilt from a checkpoint of a train.py run directory: its
-    config from the meta, then the weights. Without a step, the newest that verifies (a corrupt one
-    is reported and passed over)."""
+    config from the meta, then the weights. Without a step, the newest that verifies (a corrupt one,
+    or one deleted as it is read by the retention of a run writing there, is passed over)."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
-    steps = [step] if step is not None else list(reversed(ckpt.list_steps(run_dir)))
-    if not steps:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint found (expected "
-                              f"model_step_N.safetensors, optim_step_N.pt and meta_step_N.json)")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    for s in steps:
-        meta = ckpt.read_meta(run_dir, s)
-        if not isinstance(meta.get("model_config"), dict):
-            raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: not "
-                                  "a mamba3-lite model")
-        # (a field an older version saved and this one dropped is passed over)
-        config = {k: v for k, v in meta["model_config"].items() if k in fields}
-        model = Mamba3LM(ModelConfig(**config))
+    fields, errors = {f.name for f in dataclasses.fields(ModelConfig)}, []
+
+    def build(s):  # the model the meta of step s describes, with its weights
         try:
-            ckpt.load(run_dir, s, model)
-            return model.eval(), meta, s
-        except ckpt.CorruptCheckpoint as e:
-            if step is not None or s == steps[-1]:
-                raise
-            warnings.warn(f"{e}; trying an earlier step")
+            meta = ckpt.read_meta(run_dir, s)
+            if not isinstance(meta.get("model_config"), dict):
+                raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
+                                      "not a mamba3-lite model")
+            # (a field an older version saved and this one dropped is passed over)
+            model = Mamba3LM(ModelConfig(**{k: v for k, v in meta["model_config"].items()
+                                            if k in fields}))
+            return model.eval(), ckpt.load(run_dir, s, model)
+        except CheckpointError as e:
+            errors.append(e)
+            raise
+
+    if step is not None:
+        return (*build(step), step)
+    step, loaded = ckpt.newest(run_dir, build)
+    if loaded is None:
+        raise errors[-1] if errors else CheckpointError(
+            f"{run_dir}: no complete checkpoint found (expected model_step_N.safetensors, "
+            "optim_step_N.pt and meta_step_N.json)")
+    return (*loaded, step)
+
+
+def check_impl(model):
+    """Refuse a MAMBA3_IMPL that cannot run here (a name kernels.py does not know, triton on a CPU
+    without Triton's interpreter) in one sentence, before a command writes anything: kernels.py reads
+    the variable only when the scan runs, so the scan is run now, on two tokens."""
+    if impl := os.environ.get("MAMBA3_IMPL"):
+        try:
+            with torch.no_grad():
+                model(torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"MAMBA3_IMPL={impl}: {e}") from None
 
 
 def read_pretrained(path):
@@ -376,6 +392,7 @@ def export(run_dir, out_dir, step=None) -> Path:
         torch.save(state, stage / "pytorch_model.bin")
         untied = {k: v.clone() for k, v in state.items()}  # safetensors refuses tied tensors
         safetensors.torch.save_file(untied, stage / "model.safetensors", metadata={"format": "pt"})
+        (stage / "model.safetensors").chmod(ckpt.FILE_MODE)  # (safetensors' own is 0600)
         for name, blob in files.items():
             (stage / name).write_bytes(blob)
         for p in stage.iterdir():

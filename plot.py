@@ -129,7 +129,11 @@ def main(
         names = [p.resolve().name for p in run_dirs]
         if len(set(names)) < len(names):  # runs/a/out and runs/b/out: the paths tell them apart
             names = [str(p) for p in run_dirs]
-        plot({name: read_metrics(p) for name, p in zip(names, run_dirs)}, out)
+        runs = {name: read_metrics(p) for name, p in zip(names, run_dirs)}
+        try:
+            plot(runs, out)
+        except OSError as e:  # a read-only place, a directory of that name, a full disk
+            raise PlotError(f"--out {out}: could not write it ({e.strerror or e})") from None
     Console(highlight=False).print(f"wrote {out}", markup=False)
 
 

@@ -13,7 +13,7 @@ import typer
 from ckpt import CheckpointError
 from data import cli_errors, load_tokenizer
 from model import pick_device
-from official import load_model
+from official import check_impl, load_model
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
@@ -47,7 +47,7 @@ def main(
     temperature: float = typer.Option(0.8, min=0, help="Softmax temperature; 0 is greedy."),
     top_k: Optional[int] = typer.Option(None, min=1, help="Sample among the K most likely tokens."),
     num_samples: int = typer.Option(1, min=1, help="Independent samples."),
-    seed: int = typer.Option(0, min=0, help="Seed of the sampling."),
+    seed: int = typer.Option(0, min=0, max=2**63 - 1, help="Seed of the sampling."),
     device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", help="auto: CUDA if present."),
 ):
     """Generate text from a checkpoint of train.py."""
@@ -59,6 +59,7 @@ def main(
                                   "on data without a manifest, or on synthetic tokens), so its "
                                   "tokens cannot become text")
         model, tokenizer = model.to(device), load_tokenizer(meta["tokenizer"], out_dir)
+        check_impl(model)  # a MAMBA3_IMPL that cannot run here: one sentence, before any text
         # a model wider than its tokenizer (train.py --vocab-size) must not sample ids without text
         model.config.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
         # no prompt: a new document, which starts after an end-of-text token

@@ -13,6 +13,7 @@ bit: weights, optimizer, data position, step and RNG states.
 """
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
@@ -113,6 +114,8 @@ class TrainConfig:
     out_dir: Annotated[str, Option(help="Checkpoints, config.json, metrics.jsonl.")] = "out"
     resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start "
                       "fresh; STEP: that step (newer steps are moved aside).")] = "auto"
+    new_data: Annotated[bool, Option(help="Resume on other --data than the checkpoint's (it starts "
+                        "at its beginning).")] = False
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
     save_every: Annotated[Int, Option(min=1, help=preset("save_every", "And at the end."))] = None
@@ -122,7 +125,8 @@ class TrainConfig:
     log_every: Annotated[int, Option(min=1, help="A log line and metrics record every N.")] = 10
     nan_guard: Annotated[int, Option(min=0, help="After N non-finite steps in a row, roll back to "
                          "the newest checkpoint; 0: never.")] = 5
-    seed: Annotated[int, Option(min=0, help="Seeds the data order and the initialisation.")] = 0
+    seed: Annotated[int, Option(min=0, max=2**63 - 1, help="Seeds the data order and the "
+                    "initialisation.")] = 0
     dry_run: Annotated[bool, Option(help="Run 2 steps and an eval; write nothing.")] = False
 
 
@@ -147,8 +151,17 @@ def resolve(cfg, init=None):
         with torch.device("meta"):
             params = Mamba3LM(PRESETS[model]).num_params()
         recipe["max_steps"] = max(1, 20 * params // recipe["total_batch_size"])
+    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**dataclasses.asdict(cfg), **recipe}.items()
+               if isinstance(v, float) and not math.isfinite(v)]:
+        raise TrainError(f"{', '.join(bad)}: expected a finite number")
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
+    if not cfg.out_dir.strip():
+        raise TrainError("--out-dir is empty; name the run's directory (the default is out)")
+    if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
+        raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: a new run from its "
+                         f"weights cannot write there. To continue that run leave out --init-from; "
+                         f"to start from its weights give the new run another --out-dir")
     if (tokens := recipe["total_batch_size"]) % (seq_len := recipe["seq_len"]):
         raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len "
                          f"{seq_len}; use a multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
@@ -180,11 +193,65 @@ def build_model(cfg, init, source):
               else dataclasses.replace(PRESETS[cfg.model], vocab_size=cfg.vocab_size))
     if cfg.reset_at_eos:
         config = dataclasses.replace(config, reset_token=source.eos_id)
+    check_memory(cfg, config)  # before the weights take any
     model = Mamba3LM(config)
     if init:
         model.load_state_dict(init[1])  # weights only: the optimizer, schedule, data start afresh
     model.grad_checkpointing = cfg.grad_checkpointing
     return model
+
+
+# A step's memory, measured on a CPU (peak RSS, float32; bf16 autocast keeps less; not measured on
+# GPUs): per token, 213-243 bytes per d_model and layer (180m, small; 321 for tiny, where fixed costs
+# weigh more), with --grad-checkpointing 28-32 plus one block's worth, and 11 per vocabulary row
+# (the logits, their softmax and gradients); per parameter 16: weights, gradients, AdamW's moments.
+ACT_BYTES, RECOMPUTED_BYTES, LOGIT_BYTES, PARAM_BYTES = 256, 32, 12, 16
+
+
+def free_memory(device):
+    """Bytes free: on the GPU, or the RAM Linux calls available (or a lower cgroup limit's rest)."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with contextlib.suppress(OSError, ValueError, KeyError):  # (not Linux: no check)
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free, group = int(info["MemAvailable"].split()[0]) * 1024, Path("/sys/fs/cgroup")
+        with contextlib.suppress(OSError, ValueError):  # no cgroup v2 limit ("max", or none)
+            free = min(free, int((group / "memory.max").read_text()) - int(
+                (group / "memory.current").read_text()))
+        return free
+
+
+def check_memory(cfg, config):
+    """Refuse a step that cannot fit in the memory free, naming the numbers and the ways out. On a
+    GPU, where the activations were not measured, only the parameters' share is sure: the rest is a
+    warning (and CUDA's out-of-memory error stops a run cleanly, unlike Linux's OOM killer)."""
+    with torch.device("meta"):
+        params = Mamba3LM(config).num_params()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cfg.device == "cpu" else 1  # share RAM
+    world, sequences = int(os.environ.get("WORLD_SIZE", 1)), cfg.total_batch_size // cfg.seq_len
+
+    def need(batch, recompute):  # bytes: the parameters' state, and one micro-batch's activations
+        layers = ACT_BYTES + RECOMPUTED_BYTES * config.n_layer if recompute else ACT_BYTES * config.n_layer
+        per_token = LOGIT_BYTES * config.padded_vocab + config.d_model * layers
+        return ranks * PARAM_BYTES * params, ranks * batch * cfg.seq_len * per_token
+
+    free, (fixed, act) = free_memory(cfg.device), need(cfg.batch_size, cfg.grad_checkpointing)
+    if free is None or fixed + act <= free:
+        return
+    fits = [max([b for b in range(1, cfg.batch_size + 1) if sequences % (b * world) == 0
+                 and sum(need(b, r)) <= free] or [0]) for r in (False, True)]  # (b must divide)
+    b = fits[cfg.grad_checkpointing]
+    ways = [f"--batch-size {b} (the accumulation keeps --total-batch-size)"] * (0 < b < cfg.batch_size)
+    ways += [f"--grad-checkpointing" + f" with --batch-size {fits[True]}" * (
+        fits[True] < cfg.batch_size)] * (fits[True] > 0 and not cfg.grad_checkpointing)
+    what = (f"a step needs about {(fixed + act) / 1e9:.1f} GB and the {cfg.device} has {free / 1e9:.1f}"
+            f" GB free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters with their gradients "
+            f"and AdamW state, {act / 1e9:.1f} GB for the activations of {cfg.batch_size} sequences "
+            f"of {cfg.seq_len} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1) + ". Use "
+            + " or ".join(ways + ["a smaller --model"]))
+    if cfg.device == "cpu" or fixed > free:
+        raise TrainError(f"{what} (an estimate from measurements of float32 steps on a CPU)")
+    warnings.warn(f"{what} if it runs out (the activations are estimated from a CPU's)")
 
 
 def lr_at(step, cfg):
@@ -401,25 +468,62 @@ def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new
     OUT/PREFIX-TIME/ and return it (None if there are none): a branch left behind is never deleted.
     Records past `step` with no checkpoint (steps that will run again) are dropped, so that each
-    (kind, step) is recorded once."""
+    (kind, step) is recorded once. A journal in a hidden directory lists the files before any
+    moves (each step's meta last); the directory takes its name once they are all in it."""
+    names = [p.name for s in sorted(files) if s > step
+             for p in sorted(files[s], key=lambda p: p.suffix == ".json")]
+    names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
+    if names:  # (--overwrite moves the old run's config too)
+        base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+        name = next(n for i in range(99) if not (out / (n := f"{base}-{i}" if i else base)).exists())
+        (out / f".{name}.moving").mkdir()
+        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
+    return finish_moves(out, step)
+
+
+def finish_moves(out, step=None):
+    """Do the moves journalled in OUT/.NAME.moving/ and drop the records after `step`; returns the
+    last directory made. A run killed as it moved steps aside leaves one, which the next run
+    finishes before it reads a step: so no step is split in two, nor taken for leftovers."""
     def step_of(line):  # None for a record cut short (the disk filled up as it was appended)
         with contextlib.suppress(ValueError, KeyError, TypeError):
             return json.loads(line)["step"]
 
-    metrics = out / "metrics.jsonl"
-    text = metrics.read_text() if metrics.exists() else ""
-    records = [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
-    paths = [p for s in sorted(files) if s > step for p in files[s]]
-    aside = out / time.strftime(f"{prefix}-%Y%m%d-%H%M%S") if paths else None
-    if aside:
-        aside.mkdir()
-        for p in paths + [out / "config.json"] * (step < 0 and (out / "config.json").exists()):
-            shutil.move(p, aside / p.name)
-        write(aside / metrics.name, "".join(line for line, s in records if s > step))
-    keep = "".join(line for line, s in records if s <= step)
+    def records():
+        text = metrics.read_text() if metrics.exists() else ""
+        return text, [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
+
+    metrics, aside = out / "metrics.jsonl", None
+    for stage in sorted(out.glob(".*.moving")):
+        if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
+            shutil.rmtree(stage)
+            continue
+        job = json.loads((stage / "journal.json").read_text())
+        for name in [n for n in job["files"] if (out / n).exists()]:
+            os.replace(out / name, stage / name)
+        write(stage / metrics.name, "".join(line for line, s in records()[1] if s > job["step"]))
+        os.replace(stage, aside := out / stage.name[1:-len(".moving")])  # the move, whole
+        data.fsync(out)
+        (aside / "journal.json").unlink()
+        step = min(job["step"], math.inf if step is None else step)
+    text, lines = records()
+    keep = "".join(line for line, s in lines if step is None or s <= step)
     if keep != text:  # records dropped, or a last line without its newline (the next would join it)
         write(metrics, keep)
     return aside
+
+
+def data_identity(batches):
+    """Per source its path, weight and a digest of its files (a prepared directory's shard hashes,
+    from its manifest, else names and sizes): in each checkpoint, so a resume can tell other data."""
+    def digest(s):
+        m = data.read_manifest(s.path) if (s.path / data.MANIFEST).is_file() else {"splits": {}}
+        shards = {x["file"]: x["sha256"] for x in m["splits"].get("train", {}).get("shards", [])}
+        files = [(f.name, shards.get(f.name) or f.stat().st_size) for f in s.files]
+        return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+
+    return [dict(path=str(s.path), weight=str(w), files=digest(s))
+            for s, w in zip(batches.sources, batches.weights)]
 
 
 def resume(cfg, model, optimizer, batches, log):
@@ -427,24 +531,40 @@ def resume(cfg, model, optimizer, batches, log):
     for a fresh start. Steps newer than the one resumed (an abandoned branch, or ones that fail
     verification; with --overwrite, the old run) and their records are moved aside."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
+    if writes:
+        finish_moves(out)  # what a run killed while moving steps aside left: done first
     files, step, meta = ckpt.step_files(out), None, None
     if cfg.resume == "never" and files and not cfg.overwrite:
         raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}) and --resume "
                          f"never was given; use --resume auto to continue that run, another "
                          f"--out-dir, or --overwrite to move the old run aside into "
                          f"{out}/previous-TIME/")
-    if cfg.resume == "auto":
-        step, meta = ckpt.load_latest(out, model, optimizer, map_location=device, restore_rng=True)
-        if step is None and files:
-            names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
-            raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); "
-                             f"nothing was changed. Use --resume STEP to pick a step, or --resume "
-                             f"never --overwrite to move them aside into {out}/previous-TIME/")
-    elif cfg.resume != "never":
-        step = int(cfg.resume)
-        meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
+    try:
+        if cfg.resume == "auto":
+            step, meta = ckpt.load_latest(out, model, optimizer, map_location=device,
+                                          restore_rng=True)
+        elif cfg.resume != "never":
+            step = int(cfg.resume)
+            meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
+    except ckpt.ModelMismatch as e:
+        raise TrainError(f"{e.what}: resume with the --model, --vocab-size "
+                         f"and --reset-at-eos it was trained with ({out}/config.json), or start "
+                         f"a new run with --resume never or another --out-dir") from None
+    if step is None and files and cfg.resume == "auto":
+        names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
+        raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); "
+                         f"nothing was changed. Use --resume STEP to pick a step, or --resume "
+                         f"never --overwrite to move them aside into {out}/previous-TIME/")
     if step is not None:  # what cannot continue is refused before newer steps are moved aside
-        if meta["data"] is not None:
+        same = [(d["weight"], d["files"]) for d in meta.get("data_identity") or []] in (
+            [], [(d["weight"], d["files"]) for d in data_identity(batches)])
+        if not (same or cfg.new_data):  # (older checkpoints record no identity: not compared)
+            trained = " ".join(meta["config"]["data"])
+            raise TrainError(f"{out} step {step} was trained on --data {trained}; this run's "
+                             f"--data {' '.join(cfg.data)} is other data "
+                             f"(files or weights): add --new-data to continue the run on it, or "
+                             f"start a new run with --resume never or another --out-dir")
+        if meta["data"] is not None and same:  # (new data starts at its beginning)
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
             raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; "
@@ -497,6 +617,7 @@ def setup(cfg, init, tmp, cleanup):
         val = None  # header says that evaluation is off; the training is still worth running
     model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, batches.sources[0])
     model.to(f"cuda:{local}" if cfg.device == "cuda" else "cpu")
+    official.check_impl(model)
     if cfg.fsdp:  # before the optimizer, which must hold the sharded parameters
         shard(model, cfg)
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
@@ -547,6 +668,9 @@ def run(cfg, init, tmp, cleanup):
     log = Log(cfg, rank)
     meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
     step, skipped = meta["step"], meta["skipped_steps"]
+    if step >= cfg.max_steps and not cfg.dry_run:
+        log(f"{out} is at step {step} of --max-steps {cfg.max_steps} already: nothing to do (raise "
+            f"--max-steps to train on)")
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     header(log, cfg, raw_model, batches, val)
@@ -611,6 +735,7 @@ def run(cfg, init, tmp, cleanup):
                 save_checkpoint(cfg, step, raw_model, optimizer, dict(
                     tokens_seen=step * cfg.total_batch_size, skipped_steps=skipped,
                     optimizer_steps=step - skipped, data=batches.state_dict(), wandb_run_id=run_id,
+                    data_identity=data_identity(batches),
                     tokenizer=source.tokenizer, wall_time=time.time() - t_start))
                 log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)",
                     kind="event", event="checkpoint", step=step)
@@ -621,6 +746,18 @@ def run(cfg, init, tmp, cleanup):
     if stopping:
         log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume "
             f"with --resume auto")
+
+
+def lost_peer(e, cfg):
+    """The TrainError for a rank lost under torchrun, or `e` itself. (Its peers see a closed
+    connection, not why; DDP's backward hooks raise it as a plain RuntimeError.)"""
+    if not ((isinstance(e, dist.DistError) or "gloo" in str(e) or "NCCL" in str(e))
+            and dist.is_initialized() and dist.get_world_size() > 1):
+        return e
+    return TrainError(f"rank {dist.get_rank()} of {dist.get_world_size()} lost another rank, which "
+                      f"stopped (killed, or failed: its output says why): "
+                      f"{str(e).split('] ', 1)[-1].split('. ')[0][:200]}. When it is fixed, run "
+                      f"again: it resumes from the newest checkpoint in {cfg.out_dir}")
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
@@ -636,7 +773,10 @@ def main(**flags):
         cfg = TrainConfig(**flags)
         init = official.read_pretrained(cfg.init_from) if cfg.init_from else None
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as cleanup:
-            run(resolve(cfg, init and init[0]), init, tmp, cleanup)
+            try:
+                run(resolve(cfg, init and init[0]), init, tmp, cleanup)
+            except RuntimeError as e:  # (before the ExitStack ends the process group)
+                raise lost_peer(e, cfg) from None
 
 
 main.__signature__ = inspect.signature(TrainConfig)  # the flags are TrainConfig's fields, once
