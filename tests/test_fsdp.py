@@ -65,7 +65,10 @@ def launch(corpus, out, *extra, fault=None, codes=(0, 0)):
                 p.kill()
         multiprocessing.connection.wait([p.sentinel for p in ranks], timeout=1)
     output = open(logs[0]).read()
-    assert tuple(p.exitcode for p in ranks) == codes, output + open(logs[1]).read()
+    # (a code of a set: either; rank 0 may see its peer die and stop in one paragraph before it is killed)
+    found = tuple(p.exitcode for p in ranks)
+    assert all(c in want if isinstance(want, set) else c == want for c, want in zip(found, codes)), \
+        (found, output + open(logs[1]).read())
     return output
 
 
@@ -148,7 +151,8 @@ def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identical
     out = tmp_path / "run"
     assert "stopped by a signal on another rank at step 13" in launch(corpus, out, "--fsdp", fault=_sigterm_in_step_12)
     assert ckpt.list_steps(out) == [5, 10, 13]
-    launch(corpus, out, "--fsdp", fault=_die_in_the_second_save, codes=(-signal.SIGKILL,) * 2)
+    output = launch(corpus, out, "--fsdp", fault=_die_in_the_second_save, codes=({2, -signal.SIGKILL}, -signal.SIGKILL))
+    assert "Traceback" not in output and ("lost another rank" in output or "error" not in output)
     assert ckpt.list_steps(out) == [10, 13, 15]  # (and they verify:)
     assert all(ckpt.read_meta(out, step, verify=True) for step in (10, 13, 15))
     assert "resumed from" in launch(corpus, out, "--fsdp")
