@@ -270,8 +270,8 @@ def list_steps(dir):
         try:
             read_meta(dir, step)
             steps.append(step)
-        except CheckpointError as e:
-            if str(e) not in _warned:
+        except CheckpointError as e:  # (a step whose files all went since they were listed: none)
+            if str(e) not in _warned and any((Path(dir) / n).exists() for n in _names(step)):
                 _warned.add(str(e))
                 warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
     return steps
