@@ -169,6 +169,18 @@ def test_shapes_and_impl_are_checked(monkeypatch):
     assert torch.equal(y_env, y_rec)
 
 
+def test_ssd_alone_has_no_triton_path(monkeypatch):
+    # Triton runs the scan only inside the fused mixer region: impl="triton" is refused, and MAMBA3_IMPL=triton
+    # (which picks the mixer's path) leaves the scan alone on the chunked form
+    inputs = make_inputs(2, 20, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"no Triton kernel.*mixer\(impl='triton'\)"):
+        ssd(*inputs, chunk_size=16, impl="triton")
+    monkeypatch.setenv("MAMBA3_IMPL", "triton")
+    y_env, _ = ssd(*inputs, chunk_size=16)
+    y_torch, _ = ssd(*inputs, chunk_size=16, impl="torch")
+    assert torch.equal(y_env, y_torch)
+
+
 # --- document-boundary resets ---
 
 # Packed windows with documents that start: at the first token of a chunk (16), at the last (31), two tokens in
