@@ -1,12 +1,14 @@
-"""The Mamba-3 language model (SISO): config and presets, the mixer, SwiGLU MLP, pre-norm blocks, the tied LM
-head, recurrent decoding and a FLOPs count (Mamba-3, arXiv 2603.15569). The layer's math between in_proj and
-out_proj, and the scan, live in kernels.py.
+"""The Mamba-3 language model: config and presets, the mixer (SISO, or MIMO of rank mimo_rank), SwiGLU MLP,
+pre-norm blocks, the tied LM head, recurrent decoding and a FLOPs count (Mamba-3, arXiv 2603.15569). The layer's
+math between in_proj and out_proj, and the scan, live in kernels.py.
 
 A block is h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)) (SwiGLU: down(silu(gate(h)) * up(h)), omitted
 when mlp_hidden is 0), then a final RMSNorm and an LM head tied to the embedding. The mixer is one bias-free
 in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, the region (kernels.mixer) and a bias-free out_proj.
-Decoding keeps per layer the phases, the state S and the last token's k and x, and runs one token of the
-recurrence per step; it reproduces the parallel forward's logits.
+A MIMO layer (mimo_rank R > 1) has R ranks of B and C, lifts x and z per head to R inputs and gates (mimo_x,
+mimo_z) and sums the R outputs back (mimo_o): R times the scan's FLOPs on the same state. Decoding keeps per
+layer the phases, the state S and the last token's k (R of them) and x, and runs one token of the recurrence
+per step; it reproduces the parallel forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -14,6 +16,7 @@ recurrence per step; it reproduces the parallel forward's logits.
 """
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,8 +38,11 @@ class ModelConfig:
     d_state: int = 128  # N
     ngroups: int = 1  # G: B and C are shared by the heads of a group
     rope_fraction: float = 0.5  # the share of state dims rotated by the data-dependent angles
+    mimo_rank: int = 1  # R: 1 is SISO; R > 1 sums R rank-1 updates into the state per token (MIMO)
     mlp_hidden: int = 1536  # SwiGLU hidden size; 0 drops the MLP
-    chunk_size: int = 64  # the scan's chunk length C
+    # the scan's chunk in rows: chunk_size // R tokens of R rows each (the official layer counts
+    # tokens and advises 64 / R for MIMO: 64 rows either way)
+    chunk_size: int = 64
     A_floor: float = 1e-4
     dt_min: float = 1e-3
     dt_max: float = 1e-1
@@ -51,6 +57,10 @@ class ModelConfig:
             raise ValueError(f"{self.n_heads} heads cannot be split into {self.ngroups} groups")
         if self.vocab_size < 1 or self.n_layer < 1:
             raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} and {self.n_layer}")
+        if self.mimo_rank < 1 or self.chunk_size % self.mimo_rank:
+            raise ValueError(f"mimo_rank (--mimo-rank) must be at least 1 and divide chunk_size {self.chunk_size} "
+                             f"(a chunk of the scan is chunk_size rows: chunk_size // mimo_rank tokens of mimo_rank "
+                             f"rows each), got {self.mimo_rank}")
 
     @property
     def d_inner(self):
@@ -63,6 +73,10 @@ class ModelConfig:
     @property
     def n_angles(self):  # S: rotated pairs of state dims
         return int(self.d_state * self.rope_fraction / 2)
+
+    @property
+    def chunk_tokens(self):  # C: tokens per chunk of the scan
+        return self.chunk_size // self.mimo_rank
 
     @property
     def padded_vocab(self):
@@ -110,23 +124,28 @@ def bf16_native(device):
 
 
 class Mamba3Mixer(nn.Module):
-    """One Mamba-3 SISO layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary angles, the
-    scan, the D skip and the silu(z) gate: kernels.mixer) and out_proj."""
+    """One Mamba-3 layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary angles, the
+    scan, the D skip and the silu(z) gate: kernels.mixer; MIMO with mimo_rank > 1) and out_proj."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        H, N, G, S = cfg.n_heads, cfg.d_state, cfg.ngroups, cfg.n_angles
-        # z | x | B | C | dd_dt | dd_A | trap | angle
-        self.split = kernels.split_sizes(H, cfg.headdim, G, N, S)
+        H, P, N, G, S, R = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.n_angles, cfg.mimo_rank
+        # z | x | B | C | dd_dt | dd_A | trap | angle, B and C with R ranks each
+        self.split = kernels.split_sizes(H, P, G, N, S, R)
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=False)
         # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales across heads
         dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max))).clamp(min=cfg.dt_init_floor)
         self.dt_bias = nn.Parameter(dt0 + torch.log(-torch.expm1(-dt0)))
         self.B_norm_weight = nn.Parameter(torch.ones(N))
         self.C_norm_weight = nn.Parameter(torch.ones(N))
-        self.B_bias = nn.Parameter(torch.ones(H, N))  # ones, not zeros: the paper's ablations
-        self.C_bias = nn.Parameter(torch.ones(H, N))
+        bias = (H, N) if R == 1 else (H, R, N)  # one per head and rank (SISO: the official (H, 1, N) squeezed)
+        self.B_bias = nn.Parameter(torch.ones(bias))  # ones, not zeros: the paper's ablations
+        self.C_bias = nn.Parameter(torch.ones(bias))
+        if R > 1:  # per head and channel: x and z lifted to R inputs and gates, the R outputs summed back
+            self.mimo_x = nn.Parameter(torch.full((H, R, P), 1 / R))  # the official init: the sum starts as
+            self.mimo_z = nn.Parameter(torch.ones(H, R, P))  # the average of R copies of a SISO layer
+            self.mimo_o = nn.Parameter(torch.full((H, R, P), 1 / R))
         self.D = nn.Parameter(torch.ones(H))
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=False)
 
@@ -140,10 +159,11 @@ class Mamba3Mixer(nn.Module):
         """in_proj's output -> out_proj's input (B, L, d_inner), in zxbcdt's dtype."""
         cfg = self.cfg
         state = None if cache is None else (cache["phi"], cache["S"], cache["k_prev"], cache["x_prev"])
+        mimo = (self.mimo_x, self.mimo_z, self.mimo_o) if cfg.mimo_rank > 1 else None
         out, state = kernels.mixer(zxbcdt, self.dt_bias, self.B_norm_weight, self.C_norm_weight, self.B_bias,
                                    self.C_bias, self.D, headdim=cfg.headdim, ngroups=cfg.ngroups,
-                                   n_angles=cfg.n_angles, chunk_size=cfg.chunk_size, A_floor=cfg.A_floor,
-                                   eps=cfg.norm_eps, reset=reset, state=state, impl=impl)
+                                   n_angles=cfg.n_angles, chunk_size=cfg.chunk_tokens, A_floor=cfg.A_floor,
+                                   eps=cfg.norm_eps, reset=reset, state=state, impl=impl, mimo=mimo)
         if cache is not None:  # in place, so the caller's cache object moves forward
             for name, value in zip(("phi", "S", "k_prev", "x_prev"), state):
                 cache[name].copy_(value)
@@ -202,6 +222,10 @@ class Mamba3LM(nn.Module):
         # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the stream's
         # variance does not grow with depth (two residual writes per block)
         nn.init.normal_(self.embed.weight, std=0.02)
+        if config.mimo_rank > 1 and torch.cuda.is_available() and kernels.triton_available():
+            # said here, once, because under torch.compile the layer's own dispatch cannot print
+            warnings.warn(f"mimo_rank {config.mimo_rank}: the fused Triton kernels are SISO only, so on CUDA "
+                          f"this model's layers run the chunked PyTorch path")
         for block in self.blocks:
             for proj in (block.mixer.out_proj, block.mlp.down if block.mlp is not None else None):
                 if proj is not None:
@@ -214,7 +238,9 @@ class Mamba3LM(nn.Module):
 
     def param_groups(self, weight_decay):
         """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on dt_bias, D,
-        norm weights and the B/C biases)."""
+        norm weights, the B/C biases and MIMO's mimo_x, mimo_z, mimo_o. (The official layer exempts only dt_bias
+        and D by name and leaves the rest to the trainer; the mimo vectors are per-channel scales like the norm
+        weights, and decay would shrink them toward 0, i.e. shrink the layer's inputs and outputs.)"""
         decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         no_decay = [p for p in self.parameters() if id(p) not in decay]
         return [{"params": list(decay.values()), "weight_decay": weight_decay},
@@ -222,13 +248,13 @@ class Mamba3LM(nn.Module):
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every matmul (the LM
-        head included, the embedding lookup not), plus the scan's matmuls per chunk of C tokens: Q K^T and
-        M X (2C(N+P) per token and head) and the state in and out (4PN)."""
+        head included, the embedding lookup not), plus the scan's matmuls per chunk of C tokens, C*R rows at
+        MIMO rank R: Q K^T and M X (2CR^2(N+P) per token and head) and the state in and out (4RPN)."""
         cfg = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        C = min(cfg.chunk_size, seq_len)
+        C, R = min(cfg.chunk_tokens, seq_len), cfg.mimo_rank
         P, N = cfg.headdim, cfg.d_state
-        scan = cfg.n_layer * cfg.n_heads * (2 * C * (N + P) + 4 * P * N)
+        scan = cfg.n_layer * cfg.n_heads * (2 * C * R * R * (N + P) + 4 * R * P * N)
         return 6 * matmul_params + 3 * scan
 
     def resets(self, idx):
@@ -265,15 +291,16 @@ class Mamba3LM(nn.Module):
     # --- recurrent decoding ---
 
     def init_cache(self, batch_size):
-        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N) and x (B, H, P).
-        Phi and S are float32 (float64 for a float64 model)."""
+        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N), or its R k's
+        (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R inputs are lifted from it again). Phi and S are
+        float32 (float64 for a float64 model)."""
         cfg = self.config
         p = self.embed.weight
         fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
-        B, H, P, N, S = batch_size, cfg.n_heads, cfg.headdim, cfg.d_state, cfg.n_angles
+        B, H, P, N, S, R = batch_size, cfg.n_heads, cfg.headdim, cfg.d_state, cfg.n_angles, cfg.mimo_rank
         return [dict(phi=torch.zeros(B, H, S, dtype=fdt, device=p.device),
                      S=torch.zeros(B, H, P, N, dtype=fdt, device=p.device),
-                     k_prev=torch.zeros(B, H, N, dtype=p.dtype, device=p.device),
+                     k_prev=torch.zeros((B, H, N) if R == 1 else (B, H, R, N), dtype=p.dtype, device=p.device),
                      x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device)) for _ in range(cfg.n_layer)]
 
     def _clear_after_reset(self, last, cache):
