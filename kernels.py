@@ -3,64 +3,50 @@ chunked PyTorch path), and the mixer region around it, from in_proj's output to 
 that goes into out_proj, two ways (`mixer_torch`, readable, and `mixer_triton`, fused Triton
 kernels that run the scan inside them; `mixer` picks).
 
-The scan, per batch element b and head h, with S the (P x N) state:
+The scan, per batch element b and head h, with S the (P x N) state and R ranks (MIMO; R = 1 is
+SISO): token t brings R inputs, keys and queries, the rows of X_t (R x P), K_t, Q_t (R x N); the
+state takes the sum of their rank-1 updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and
+every rank reads it:
 
-    S_t = exp(log_a_t) * (S_{t-1} + beta_t * x_{t-1} k_{t-1}^T) + gamma_t * x_t k_t^T
-    y_t = S_t q_t
+    S_t = exp(log_a_t) * (S_{t-1} + beta_t * X_{t-1}^T K_{t-1}) + gamma_t * X_t^T K_t
+    Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
-x (B, L, H, P); q, k (B, L, H, N); log_a, gamma, beta (B, L, H). The state passed in and out is
-the tuple (S (B, H, P, N) float32, k_prev (B, H, N), x_prev (B, H, P)): exactly what a continuation
-call or a decoder needs. An optional reset (B, L) bool marks document starts: where reset[b, t] is
-set, the state entering t is zero (S_{t-1}, x_{t-1} and k_{t-1} all count as 0), so
-S_t = gamma_t x_t k_t^T.
+x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
+beta (B, L, H). The state passed in and out is the tuple (S (B, H, P, N) float32, k_prev, x_prev:
+the last token's k's and x's): exactly what a continuation call or a decoder needs. An optional
+reset (B, L) bool marks document starts: where reset[b, t] is set, the state entering t is zero
+(S_{t-1}, X_{t-1} and K_{t-1} all count as 0), so S_t = gamma_t X_t^T K_t.
 
-The chunked form. Cut the sequence into chunks of C tokens; inside a chunk let cs_i be the running
-sum of log_a up to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice:
-with its own gamma now and with the next token's beta one step later). Then, with Sin the state
-entering the chunk,
+The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
+i // R, whose cs, w, gamma and seg it takes); inside a chunk let cs_i be the running sum of log_a up
+to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice: with its own
+gamma now and with the next token's beta one step later). Then, with Sin the state entering it,
 
-    Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j < i), gamma_i (j = i)
-    Sout = a Sin + (X * u)^T K                 e_i = exp(cs_i),  u_j = f_j w_j,  a = exp(cs_last)
+    Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j's token before i's),
+    Sout = a Sin + (X * u)^T K                        gamma_i (one token: a full R x R block)
 
-with f_j = exp(cs_last - cs_j) and W = 0 above the diagonal. (The state carried between chunks
-already holds the next token's beta term; only the state after the last token of the sequence is
-the true S.) A reset cuts a chunk into segments: seg_i counts the resets up to i, and every decay
-that would cross one is zero: W_ij needs seg_i == seg_j, e_i needs seg_i == 0 (no reset since the
-chunk began), f_j needs seg_j == seg_last, a needs seg_last == 0. Only masks; never a -inf in a
-cumsum.
+with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), and W = 0 above
+its block diagonal. (The state carried between chunks already holds the next token's beta term;
+only the state after the last token of the sequence is the true S.) A reset cuts a chunk into
+segments: seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs
+seg_i == seg_j, e_i needs seg_i == 0 (no reset since the chunk began), f_j needs seg_j ==
+seg_last, a needs seg_last == 0. Only masks; never a -inf in a cumsum.
 
 The mixer region (the layer minus its two projections). in_proj's output splits, per token, into
-z, x (H*P each) | B, C (G*N each, shared by the H/G heads of a group) | dd_dt, dd_A, trap (H each)
-| angle (S).
+z, x (H*P each) | B, C (R*G*N each: R ranks outermost of G groups, shared by the H/G heads of a
+group) | dd_dt, dd_A, trap (H each) | angle (S).
 
     dt = softplus(dd_dt + dt_bias),  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
     log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
     Phi_t = Phi_{t-1} + pi tanh(angle_t) dt_t  per head, S angles; restarts at resets (Phi_{-1} = 0)
-    k = Rot(Phi)(RMSNorm(B) + B_bias[h]),  q = Rot(Phi)(RMSNorm(C) + C_bias[h])
-    out = (ssd(x, q, k, log_a, gamma, beta) + D x) * silu(z)
+    k_r = Rot(Phi)(RMSNorm(B_r) + B_bias[h, r]),  q_r = Rot(Phi)(RMSNorm(C_r) + C_bias[h, r])
+    x_r = x * mimo_x[h, r],  z_r = z * mimo_z[h, r]               (MIMO; SISO: x_1 = x, z_1 = z)
+    out = sum_r mimo_o[h, r] * (y_r + D x_r) * silu(z_r)          (SISO: mimo_o = 1)
 
-Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i; the other N - 2S dims pass.
-
-MIMO, rank R (R = 1 is all of the above). Each token brings R inputs v_r (P) and R keys and
-queries k_r, q_r (N) per head; the state, one (P x N) matrix as before, takes the sum of the R
-rank-1 updates in both trapezoid terms, and every rank reads it:
-
-    S_t = exp(log_a_t) * (S_{t-1} + beta_t sum_r v_{t-1,r} k_{t-1,r}^T) + gamma_t sum_r v_{t,r} k_{t,r}^T
-    y_{t,r} = S_t q_{t,r}
-
-so ssd takes x as v (B, L, H, R, P) and q, k (B, L, H, R, N) (the 4-d SISO shapes are the case
-R = 1), and the state's k_prev, x_prev as (B, H, R, N), (B, H, R, P). The chunked form is the one
-above on C*R rows per chunk, row i being rank i % R of token i // R: cs, w, gamma, seg and so the
-decays are the token's, and the rows of one token see each other's current-token term, so W's
-diagonal is a full (R x R) block of gamma_i and the masks are block triangular. A reset clears what
-enters its token for every rank at once. In the region, in_proj's B and C hold R ranks each (rank
-outermost: R x G x N), the biases are (H, R, N), and with mimo_x, mimo_z, mimo_o (H, R, P):
-
-    v_r = x * mimo_x[h, r],  z_r = z * mimo_z[h, r],  k_r = Rot(Phi)(RMSNorm(B_r) + B_bias[h, r])
-    q_r likewise from C;  out = sum_r mimo_o[h, r] * (y_r + D v_r) * silu(z_r)
-
-The phases are shared by the ranks. A decoding cache keeps the last token's R k's and its x (not
-the v_r: the next call lifts x again). FLOPs per token grow about R-fold; the state does not.
+with y = ssd(x_r, q_r, k_r, log_a, gamma, beta); the biases are (H, R, N) ((H, N) for SISO), the
+mimo vectors (H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i (the
+same for every rank); the other N - 2S dims pass. A decoding cache keeps the last token's R k's and
+its x, not the x_r: the next call lifts it again.
 """
 import collections
 import math
@@ -90,8 +76,7 @@ def _initial_state(state, x, k, dtype):
     S0, k_prev, x_prev = state
     if S0.shape != (B, H, P, N) or k_prev.shape != (B, H, R, N) or x_prev.shape != (B, H, R, P):
         raise ValueError(f"ssd: state shapes {tuple(S0.shape)}, {tuple(k_prev.shape)}, "
-                         f"{tuple(x_prev.shape)} do not match (B, H, P, N) = {(B, H, P, N)} with "
-                         f"{R} rank(s)")
+                         f"{tuple(x_prev.shape)} do not match (B, H, R, P, N) = {(B, H, R, P, N)}")
     return S0.to(dtype), k_prev.to(dtype), x_prev.to(dtype)
 
 
@@ -157,27 +142,22 @@ def _segment_decays(cs, seg):
     return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0), same
 
 
-def _rows(v, R):
-    """A token's value (b, C) on each of its R rows (b, C*R)."""
+def _rows(v, R):  # a token's value (b, C) on each of its R rows: (b, C*R)
     return v if R == 1 else v.repeat_interleave(R, dim=1)
 
 
-def _per_token(v, R):
-    """Row values (b, C*R) summed over each token's R rows: (b, C)."""
+def _per_token(v, R):  # row values (b, C*R) summed over each token's R rows: (b, C)
     return v if R == 1 else v.view(v.shape[0], -1, R).sum(-1)
 
 
-def _own(A, R):
-    """A (b, C*R, C*R)'s entries between the rows of one token: a (b, R, R, C) view, the diagonal
-    when R = 1."""
+def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C) view (R = 1: diag)
     b, n, _ = A.shape
     return A.view(b, n // R, R, n // R, R).diagonal(dim1=1, dim2=3)
 
 
 def _weights(D, w, g, R=1):
-    """The intra-chunk weights W on the chunk's rows, from the tokens' D (b, C, C), w and g
-    (b, C): D_ij w_j where j's token precedes i's, gamma_i between rows of one token (a full R x R
-    block), 0 after (D is 0 above its diagonal)."""
+    """The intra-chunk weights W on the chunk's rows, from the tokens' D (b, C, C), w, g: D_ij w_j
+    where j's token precedes i's, gamma_i within one token, 0 after (D is 0 above its diagonal)."""
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
@@ -323,7 +303,8 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
         def chunks(t):
             t = F.pad(t.to(dtype), (0, 0) * 3 + (0, pad)) if pad else t.to(dtype)
             r = t.shape[3]
-            return t.view(B, nc, C, H, r, -1).permute(0, 3, 1, 2, 4, 5).reshape(B * H * nc, C * r, -1)
+            t = t.view(B, nc, C, H, r, -1).permute(0, 3, 1, 2, 4, 5)
+            return t.reshape(B * H * nc, C * r, -1)
 
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C*R, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None, None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
@@ -377,7 +358,7 @@ def phases(v, reset=None, phi0=None):
 
 
 def split_sizes(H, P, G, N, S, R=1):
-    """in_proj's output, in order: z | x | B | C | dd_dt | dd_A | trap | angle (B and C: R ranks)."""
+    """in_proj's output, in order: z | x | B | C | dd_dt | dd_A | trap | angle (B, C: R ranks)."""
     return [H * P, H * P, R * G * N, R * G * N, H, H, H, S]
 
 
@@ -386,10 +367,9 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
                 impl="torch", mimo=None):
     """The mixer region in PyTorch ops (the module docstring's equations), the scan through
     ssd(impl=impl). zxbcdt (B, L, 2HP + 2RGN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. mimo:
-    None (SISO: B_bias, C_bias (H, N)) or (mimo_x, mimo_z, mimo_o), each (H, R, P) (B_bias, C_bias
-    (H, R, N)). state: None, or a decoding cache's (Phi (B, H, S), S, k_prev (B, H, N) or
-    (B, H, R, N), x_prev (B, H, P)); the state after the last token comes back with out, in the
-    same shapes (None without)."""
+    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S,
+    k_prev (B, H, [R,] N), x_prev (B, H, P)); the state after the last token comes back with out,
+    in the same shapes (None without)."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G = headdim, ngroups
@@ -1182,10 +1162,8 @@ def _resolve(impl, x):
 
 
 def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
-    """The Mamba-3 scan. x (B, L, H, P), q, k (B, L, H, N): SISO; or with a rank axis, x
-    (B, L, H, R, P), q, k (B, L, H, R, N): MIMO (x holds the lifted inputs v_r). Returns y shaped
-    as x, in x's dtype, and the final state (S, k_prev, x_prev) (with the rank axis when the inputs
-    have one).
+    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes). Returns y shaped
+    as x, in x's dtype, and the final state (S, k_prev, x_prev).
 
     impl: "recurrent" (the oracle), "torch" (the chunked form, chunk_size tokens a chunk) or
     "auto", which is the chunked form unless the environment variable MAMBA3_IMPL says
