@@ -3,43 +3,50 @@ chunked PyTorch path), and the mixer region around it, from in_proj's output to 
 that goes into out_proj, two ways (`mixer_torch`, readable, and `mixer_triton`, fused Triton
 kernels that run the scan inside them; `mixer` picks).
 
-The scan, per batch element b and head h, with S the (P x N) state:
+The scan, per batch element b and head h, with S the (P x N) state and R ranks (MIMO; R = 1 is
+SISO): token t brings R inputs, keys and queries, the rows of X_t (R x P), K_t, Q_t (R x N); the
+state takes the sum of their rank-1 updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and
+every rank reads it:
 
-    S_t = exp(log_a_t) * (S_{t-1} + beta_t * x_{t-1} k_{t-1}^T) + gamma_t * x_t k_t^T
-    y_t = S_t q_t
+    S_t = exp(log_a_t) * (S_{t-1} + beta_t * X_{t-1}^T K_{t-1}) + gamma_t * X_t^T K_t
+    Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
-x (B, L, H, P); q, k (B, L, H, N); log_a, gamma, beta (B, L, H). The state passed in and out is
-the tuple (S (B, H, P, N) float32, k_prev (B, H, N), x_prev (B, H, P)): exactly what a continuation
-call or a decoder needs. An optional reset (B, L) bool marks document starts: where reset[b, t] is
-set, the state entering t is zero (S_{t-1}, x_{t-1} and k_{t-1} all count as 0), so
-S_t = gamma_t x_t k_t^T.
+x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
+beta (B, L, H). The state passed in and out is the tuple (S (B, H, P, N) float32, k_prev, x_prev:
+the last token's k's and x's): exactly what a continuation call or a decoder needs. An optional
+reset (B, L) bool marks document starts: where reset[b, t] is set, the state entering t is zero
+(S_{t-1}, X_{t-1} and K_{t-1} all count as 0), so S_t = gamma_t X_t^T K_t.
 
-The chunked form. Cut the sequence into chunks of C tokens; inside a chunk let cs_i be the running
-sum of log_a up to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice:
-with its own gamma now and with the next token's beta one step later). Then, with Sin the state
-entering the chunk,
+The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
+i // R, whose cs, w, gamma and seg it takes); inside a chunk let cs_i be the running sum of log_a up
+to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice: with its own
+gamma now and with the next token's beta one step later). Then, with Sin the state entering it,
 
-    Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j < i), gamma_i (j = i)
-    Sout = a Sin + (X * u)^T K                 e_i = exp(cs_i),  u_j = f_j w_j,  a = exp(cs_last)
+    Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j's token before i's),
+    Sout = a Sin + (X * u)^T K                        gamma_i (one token: a full R x R block)
 
-with f_j = exp(cs_last - cs_j) and W = 0 above the diagonal. (The state carried between chunks
-already holds the next token's beta term; only the state after the last token of the sequence is
-the true S.) A reset cuts a chunk into segments: seg_i counts the resets up to i, and every decay
-that would cross one is zero: W_ij needs seg_i == seg_j, e_i needs seg_i == 0 (no reset since the
-chunk began), f_j needs seg_j == seg_last, a needs seg_last == 0. Only masks; never a -inf in a
-cumsum.
+with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), and W = 0 above
+its block diagonal. (The state carried between chunks already holds the next token's beta term;
+only the state after the last token of the sequence is the true S.) A reset cuts a chunk into
+segments: seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs
+seg_i == seg_j, e_i needs seg_i == 0 (no reset since the chunk began), f_j needs seg_j ==
+seg_last, a needs seg_last == 0. Only masks; never a -inf in a cumsum.
 
 The mixer region (the layer minus its two projections). in_proj's output splits, per token, into
-z, x (H*P each) | B, C (G*N each, shared by the H/G heads of a group) | dd_dt, dd_A, trap (H each)
-| angle (S).
+z, x (H*P each) | B, C (R*G*N each: R ranks outermost of G groups, shared by the H/G heads of a
+group) | dd_dt, dd_A, trap (H each) | angle (S).
 
     dt = softplus(dd_dt + dt_bias),  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
     log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
     Phi_t = Phi_{t-1} + pi tanh(angle_t) dt_t  per head, S angles; restarts at resets (Phi_{-1} = 0)
-    k = Rot(Phi)(RMSNorm(B) + B_bias[h]),  q = Rot(Phi)(RMSNorm(C) + C_bias[h])
-    out = (ssd(x, q, k, log_a, gamma, beta) + D x) * silu(z)
+    k_r = Rot(Phi)(RMSNorm(B_r) + B_bias[h, r]),  q_r = Rot(Phi)(RMSNorm(C_r) + C_bias[h, r])
+    x_r = x * mimo_x[h, r],  z_r = z * mimo_z[h, r]               (MIMO; SISO: x_1 = x, z_1 = z)
+    out = sum_r mimo_o[h, r] * (y_r + D x_r) * silu(z_r)          (SISO: mimo_o = 1)
 
-Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i; the other N - 2S dims pass.
+with y = ssd(x_r, q_r, k_r, log_a, gamma, beta); the biases are (H, R, N) ((H, N) for SISO), the
+mimo vectors (H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i (the
+same for every rank); the other N - 2S dims pass. A decoding cache keeps the last token's R k's and
+its x, not the x_r: the next call lifts it again.
 """
 import collections
 import math
@@ -59,16 +66,17 @@ def _compute_dtype(*tensors):
 
 
 def _initial_state(state, x, k, dtype):
-    """(S0, k_prev, x_prev) in the compute dtype; zeros when no state is given."""
-    B, _, H, P = x.shape
+    """(S0, k_prev, x_prev) in the compute dtype; zeros when no state is given. x (B, L, H, R, P),
+    k (B, L, H, R, N)."""
+    B, _, H, R, P = x.shape
     N = k.shape[-1]
     if state is None:
-        return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, N, dtype=dtype),
-                x.new_zeros(B, H, P, dtype=dtype))
+        return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, R, N, dtype=dtype),
+                x.new_zeros(B, H, R, P, dtype=dtype))
     S0, k_prev, x_prev = state
-    if S0.shape != (B, H, P, N) or k_prev.shape != (B, H, N) or x_prev.shape != (B, H, P):
+    if S0.shape != (B, H, P, N) or k_prev.shape != (B, H, R, N) or x_prev.shape != (B, H, R, P):
         raise ValueError(f"ssd: state shapes {tuple(S0.shape)}, {tuple(k_prev.shape)}, "
-                         f"{tuple(x_prev.shape)} do not match (B, H, P, N) = {(B, H, P, N)}")
+                         f"{tuple(x_prev.shape)} do not match (B, H, R, P, N) = {(B, H, R, P, N)}")
     return S0.to(dtype), k_prev.to(dtype), x_prev.to(dtype)
 
 
@@ -83,18 +91,17 @@ def _final_state(S, x, k):
 
 
 def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
-    """One token of the recurrence. S (B, H, P, N); k_prev, k, q (B, H, N); x_prev, x (B, H, P);
-    log_a, gamma, beta (B, H). Returns (y (B, H, P), S_new); out of place so autograd can run
-    through it."""
+    """One token of the recurrence. S (B, H, P, N); k_prev, k, q (B, H, R, N); x_prev, x
+    (B, H, R, P), R ranks; log_a, gamma, beta (B, H). Returns (y (B, H, R, P), S_new); out of place
+    so autograd can run through it. (x^T k sums the R rank-1 updates v_r k_r^T.)"""
     a, gamma, beta = log_a.exp()[..., None, None], gamma[..., None, None], beta[..., None, None]
-    outer = lambda u, v: u[..., :, None] * v[..., None, :]  # noqa: E731
-    S = a * (S + beta * outer(x_prev, k_prev)) + gamma * outer(x, k)
-    y = (S @ q[..., :, None])[..., 0]
-    return y, S
+    S = a * (S + beta * (x_prev.mT @ k_prev)) + gamma * (x.mT @ k)
+    return (S @ q.mT).mT, S
 
 
 def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
-    """The recurrence, one token at a time. Slow; the ground truth for every other path."""
+    """The recurrence, one token at a time (ranked shapes, see ssd). Slow; the ground truth for
+    every other path."""
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     S, k_prev, x_prev = _initial_state(state, x, k, dtype)
     xc, qc, kc = x.to(dtype), q.to(dtype), k.to(dtype)
@@ -102,8 +109,8 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
     ys = []
     for t in range(x.shape[1]):
         if reset is not None:  # a document starts at t: nothing before it reaches it
-            keep = (~reset[:, t]).to(dtype)[:, None, None]  # (B, 1, 1)
-            S, k_prev, x_prev = S * keep[..., None], k_prev * keep, x_prev * keep
+            keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # (B, 1, 1, 1)
+            S, k_prev, x_prev = S * keep, k_prev * keep, x_prev * keep
         y, S = recurrent_step(S, k_prev, x_prev, xc[:, t], qc[:, t], kc[:, t], la[:, t], g[:, t],
                               b[:, t])
         ys.append(y)
@@ -135,19 +142,37 @@ def _segment_decays(cs, seg):
     return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0), same
 
 
-def _weights(D, w, g):
-    """The intra-chunk weights W: D_ij w_j below the diagonal, gamma_i on it (D is 0 above)."""
+def _rows(v, R):  # a token's value (b, C) on each of its R rows: (b, C*R)
+    return v if R == 1 else v.repeat_interleave(R, dim=1)
+
+
+def _per_token(v, R):  # row values (b, C*R) summed over each token's R rows: (b, C)
+    return v if R == 1 else v.view(v.shape[0], -1, R).sum(-1)
+
+
+def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C) view (R = 1: diag)
+    b, n, _ = A.shape
+    return A.view(b, n // R, R, n // R, R).diagonal(dim1=1, dim2=3)
+
+
+def _weights(D, w, g, R=1):
+    """The intra-chunk weights W on the chunk's rows, from the tokens' D (b, C, C), w, g: D_ij w_j
+    where j's token precedes i's, gamma_i within one token, 0 after (D is 0 above its diagonal)."""
     W = D * w[:, None, :]
-    W.diagonal(dim1=1, dim2=2).copy_(g)
+    if R > 1:
+        b, C, _ = W.shape
+        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R)
+    _own(W, R).copy_(g[:, None, None, :])
     return W
 
 
 class ChunkedScan(torch.autograd.Function):
     """The chunked form (the module docstring's) on chunk-major tensors: b = B*H*nc chunks of C
-    tokens; seg (b, C), the resets counted inside each chunk, or None. A short loop over the chunks
-    chains them (Sin_{c+1} = Sout_c). Forward and backward are written out by hand: autograd would
-    keep and copy several C x C temporaries per chunk; this keeps three (the decay matrix D, the
-    scores Q K^T and M = W o Q K^T) and spends its time in batched matmuls.
+    tokens, each C*R rows for rank R (row i: token i // R); seg (b, C), the resets counted inside
+    each chunk, or None. A short loop over the chunks chains them (Sin_{c+1} = Sout_c). Forward and
+    backward are written out by hand: autograd would keep and copy several C x C temporaries per
+    chunk; this keeps three (the decay matrix D, the scores Q K^T and M = W o Q K^T) and spends its
+    time in batched matmuls.
 
     The backward of one chunk, written once for both fast paths (_mixer_bwd computes the same in a
     scaled form). dY is Y's gradient, G that of Sout, D_ij = exp(cs_i - cs_j) for j <= i in one
@@ -166,17 +191,20 @@ class ChunkedScan(torch.autograd.Function):
     cs_i enters W_ij (j < i) with + and W_li (l > i) with -, e_i itself, u_i = w_i exp(cs_last -
     cs_i) with -, and cs_last every u_j and a. A decay that crosses a reset is a constant 0, so the
     same masks cover the gradients. cs is a running sum of log_a: dlog_a is the reverse running sum
-    of dcs; w_s = gamma_s + beta_{s+1}: dgamma_s gets dw_s, dbeta_{s+1} gets dw_s too."""
+    of dcs; w_s = gamma_s + beta_{s+1}: dgamma_s gets dw_s, dbeta_{s+1} gets dw_s too. With R > 1
+    the same formulas hold per token once the row sums are taken: R_ii is the sum over the token's
+    own (R x R) block, and the row terms of cs, w and u add up over the token's rows (within the
+    block, the R_ij w_j and w_i R_li terms of dcs cancel)."""
 
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
-        # X (b, C, P), Q, K (b, C, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
-        b, C, P = X.shape
+        # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
+        b, CR, P = X.shape
         BH, _, N = Sin0.shape
-        nc = b // BH
+        nc, R = b // BH, CR // cs.shape[1]
         e, f, a, same = _segment_decays(cs, seg)
         # what each chunk adds to the state at its end (its last w already holds the next beta)
-        Xu = X * (f * w)[..., None]  # (b, C, P)
+        Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
         # the states entering the chunks, one chunk after the other (nc = L / C: a short loop)
         a = a.view(BH, nc, 1, 1)
@@ -187,13 +215,13 @@ class ChunkedScan(torch.autograd.Function):
             S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
         D = decay_matrix(cs, same)
-        scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C, C)
-        M = _weights(D, w, g).mul_(scores)
+        scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
+        M = _weights(D, w, g, R).mul_(scores)
         # kept for the backward: D, scores and M (on a CPU, recomputing M costs as much as keeping)
         ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)
         # (into Xu's buffer, dead by now: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
-        return torch.bmm(M, X).addcmul_(e[..., None], QS), S
+        return torch.bmm(M, X).addcmul_(_rows(e, R)[..., None], QS), S
 
     @staticmethod
     def backward(ctx, dY, dS_final):
@@ -207,27 +235,29 @@ class ChunkedScan(torch.autograd.Function):
     def _backward(ctx, dY, dS_final):
         # the docstring's formulas, a few batched matmuls each
         X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
-        dY = dY.contiguous()  # it arrives as a view of (B, L, H, P); four matmuls read it
-        b, C, P = X.shape
+        dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
+        b, CR, P = X.shape
         BH, N = dS_final.shape[0], Q.shape[-1]
-        nc = b // BH
+        nc, C = b // BH, cs.shape[1]
+        R = CR // C
         e, f, a, _ = _segment_decays(cs, seg)
         # intra-chunk: Y = M X
         dX = torch.bmm(M.transpose(1, 2), dY)
-        dMD = torch.bmm(dY, X.transpose(1, 2)).mul_(D)  # dM o D, (b, C, C)
-        dMW = dMD * w[:, None, :]
-        dMW.diagonal(dim1=1, dim2=2).copy_(dMD.diagonal(dim1=1, dim2=2) * g)  # dM o W
+        dMD = torch.bmm(dY, X.transpose(1, 2))
+        dMD.view(b, C, R, C, R).mul_(D[:, :, None, :, None])  # dM o D, (b, C*R, C*R)
+        dMW = dMD * _rows(w, R)[:, None, :]
+        _own(dMW, R).copy_(_own(dMD, R) * g[:, None, None, :])  # dM o W
         dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
-        R = dMD.mul_(scores)
-        dg = R.diagonal(dim1=1, dim2=2).clone()
-        colR = R.sum(1)  # sum_{l>=j} R_lj: the diagonal terms cancel in dcs and leave dw
-        dw = colR - dg
-        dcs = torch.bmm(R, w[..., None])[..., 0] - w * colR
+        Rm = dMD.mul_(scores)
+        dg = _own(Rm, R).sum((1, 2))
+        colR = Rm.sum(1)  # sum_{l>=j} R_lj: the diagonal terms cancel in dcs and leave dw
+        dw = _per_token(colR, R) - dg
+        dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
         # inter-chunk: e * (Q Sin^T)
-        T = torch.bmm(dY, Sin)  # (b, C, N)
-        dcs += e * torch.linalg.vecdot(T, Q)
-        dQ.addcmul_(e[..., None], T)
-        dYe = dY * e[..., None]  # (b, C, P)
+        T = torch.bmm(dY, Sin)  # (b, C*R, N)
+        dcs += e * _per_token(torch.linalg.vecdot(T, Q), R)
+        dQ.addcmul_(_rows(e, R)[..., None], T)
+        dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
         dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
         # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
         a = a.view(BH, nc, 1, 1)
@@ -241,10 +271,10 @@ class ChunkedScan(torch.autograd.Function):
         u = f * w
         # (the dead buffers of dY * e and T take the products: on a CPU, fresh 4 MB buffers cost
         # page faults)
-        dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C, P)
-        dX.addcmul_(dXu, u[..., None])
-        dK.addcmul_(u[..., None], torch.bmm(X, dS, out=T))
-        du = torch.linalg.vecdot(dXu, X)  # (b, C)
+        dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
+        dX.addcmul_(dXu, _rows(u, R)[..., None])
+        dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
+        du = _per_token(torch.linalg.vecdot(dXu, X), R)  # (b, C)
         dw += du * f
         dcs -= du * u
         dcs[:, -1] += (du * u).sum(-1) + da.view(b)
@@ -252,8 +282,9 @@ class ChunkedScan(torch.autograd.Function):
 
 
 def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
-    """The chunked form: chunks of C tokens become the batch of the matmuls in ChunkedScan."""
-    B, L, H, P = x.shape
+    """The chunked form (ranked shapes, see ssd): chunks of C tokens, C*R rows each, become the
+    batch of the matmuls in ChunkedScan."""
+    B, L, H, R, P = x.shape
     N = q.shape[-1]
     C = chunk_size
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
@@ -262,26 +293,28 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
         # w_s = gamma_s + beta_{s+1} (0 after the last token), and the state entering the first
         # chunk: S0 plus the first token's beta term, which needs x_prev and k_prev
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
-        beta0 = beta[:, 0, :, None, None].to(dtype)
-        Sin0 = S0 + beta0 * x_prev[..., :, None] * k_prev[..., None, :]  # (B, H, P, N)
+        beta0 = beta[:, 0, :, None, None, None].to(dtype)
+        Sin0 = S0 + (beta0 * x_prev[..., :, None] * k_prev[..., None, :]).sum(2)  # (B, H, P, N)
         # pad to whole chunks with tokens that change nothing (no decay, no input, no reset), then
-        # chunk-major: (B, L, H, D) -> (B*H*nc, C, D)
+        # chunk-major: (B, L, H, R, D) -> (B*H*nc, C*R, D)
         pad = (-L) % C
         nc = (L + pad) // C
 
         def chunks(t):
-            t = F.pad(t.to(dtype), (0, 0, 0, 0, 0, pad)) if pad else t.to(dtype)
-            return t.view(B, nc, C, H, -1).permute(0, 3, 1, 2, 4).reshape(B * H * nc, C, -1)
+            t = F.pad(t.to(dtype), (0, 0) * 3 + (0, pad)) if pad else t.to(dtype)
+            r = t.shape[3]
+            t = t.view(B, nc, C, H, r, -1).permute(0, 3, 1, 2, 4, 5)
+            return t.reshape(B * H * nc, C * r, -1)
 
-        X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C, P|N), b = B*H*nc
-        la, g, w = (chunks(t[..., None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
+        X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C*R, P|N), b = B*H*nc
+        la, g, w = (chunks(t[..., None, None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
         seg = None
         if reset is not None:  # the resets counted inside each chunk (b, C); equal: one segment
             seg = F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C)
             seg = seg.cumsum(-1)
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)
-        y = Y.view(B, H, nc, C, P).permute(0, 2, 3, 1, 4).reshape(B, nc * C, H, P)[:, :L]
+        y = Y.view(B, H, nc, C, R, P).permute(0, 2, 3, 1, 4, 5).reshape(B, nc * C, H, R, P)[:, :L]
     return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
 
 
@@ -324,22 +357,24 @@ def phases(v, reset=None, phi0=None):
     return phi
 
 
-def split_sizes(H, P, G, N, S):
-    """in_proj's output, in order: z | x | B | C | dd_dt | dd_A | trap | angle."""
-    return [H * P, H * P, G * N, G * N, H, H, H, S]
+def split_sizes(H, P, G, N, S, R=1):
+    """in_proj's output, in order: z | x | B | C | dd_dt | dd_A | trap | angle (B, C: R ranks)."""
+    return [H * P, H * P, R * G * N, R * G * N, H, H, H, S]
 
 
 def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None,
-                impl="torch"):
+                impl="torch", mimo=None):
     """The mixer region in PyTorch ops (the module docstring's equations), the scan through
-    ssd(impl=impl). zxbcdt (B, L, 2HP + 2GN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. state:
-    None, or a decoding cache's (Phi (B, H, S), S, k_prev, x_prev); the state after the last token
-    comes back with out (None without)."""
-    H, N = B_bias.shape
+    ssd(impl=impl). zxbcdt (B, L, 2HP + 2RGN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. mimo:
+    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S,
+    k_prev (B, H, [R,] N), x_prev (B, H, P)); the state after the last token comes back with out,
+    in the same shapes (None without)."""
+    H, N = B_bias.shape[0], B_bias.shape[-1]
+    R = 1 if mimo is None else mimo[0].shape[1]
     P, G = headdim, ngroups
     Bsz, L, _ = zxbcdt.shape
-    sizes = split_sizes(H, P, G, N, n_angles)
+    sizes = split_sizes(H, P, G, N, n_angles, R)
     z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(zxbcdt, sizes, dim=-1)
 
     dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
@@ -354,21 +389,32 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     phi0 = None if state is None else state[0]
     phi = phases(theta[:, :, None, :] * dt[..., None], reset, phi0)  # (B, L, H, S)
     phi = torch.remainder(phi, 2 * math.pi)
+    phi_r = phi[:, :, :, None]  # the same phases for every rank
 
-    # B and C: RMS-normalised per group, shared by the group's heads, plus per-head biases, then
-    # rotated (in float32, as the fused kernels do: bf16 in, float32 statistics)
-    Bn = F.rms_norm(_f32(Bm).view(Bsz, L, G, N), (N,), B_norm_weight, eps)
-    Cn = F.rms_norm(_f32(Cm).view(Bsz, L, G, N), (N,), C_norm_weight, eps)
+    # B and C, R ranks of G groups each (rank outermost): RMS-normalised per rank and group, shared
+    # by the group's heads, plus per-head biases, then rotated by the heads' phases, the same for
+    # every rank (in float32, as the fused kernels do: bf16 in, float32 statistics)
+    Bn = F.rms_norm(_f32(Bm).view(Bsz, L, R, G, N), (N,), B_norm_weight, eps).transpose(2, 3)
+    Cn = F.rms_norm(_f32(Cm).view(Bsz, L, R, G, N), (N,), C_norm_weight, eps).transpose(2, 3)
     Bn, Cn = Bn.repeat_interleave(H // G, dim=2), Cn.repeat_interleave(H // G, dim=2)
-    k = rotate(_f32(Bn + B_bias), phi).to(x.dtype)  # (B, L, H, N)
-    q = rotate(_f32(Cn + C_bias), phi).to(x.dtype)
-    x = x.view(Bsz, L, H, P)
+    k = rotate(_f32(Bn + B_bias.view(H, R, N)), phi_r).to(x.dtype)  # (B, L, H, R, N)
+    q = rotate(_f32(Cn + C_bias.view(H, R, N)), phi_r).to(x.dtype)
+    # x and z lifted to R inputs and gates per head: v_r = x * mimo_x[h, r], z_r = z * mimo_z[h, r]
+    mimo_x, mimo_z, mimo_o = (None,) * 3 if mimo is None else mimo
+    lift = lambda t, m: t if m is None else t * m.to(t.dtype)  # noqa: E731
+    x, z = x.view(Bsz, L, H, 1, P), z.view(Bsz, L, H, 1, P)
+    v, z = lift(x, mimo_x), lift(z, mimo_z)  # (B, L, H, R, P)
 
-    scan_state = None if state is None else state[1:]
-    y, final = ssd(x, q, k, log_a, gamma, beta, scan_state, chunk_size, impl, reset)
-    y = y + D[:, None].to(y.dtype) * x
-    out = y.reshape(Bsz, L, -1) * F.silu(z)
-    return out, None if state is None else (phi[:, -1], *final)
+    scan_state = None
+    if state is not None:  # the cache holds the last token's x: its inputs are lifted again
+        scan_state = (state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
+    y, final = ssd(v, q, k, log_a, gamma, beta, scan_state, chunk_size, impl, reset)
+    y = (y + D[:, None, None].to(y.dtype) * v) * F.silu(z)  # (B, L, H, R, P)
+    out = y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)  # sum_r mimo_o[h, r] y_r
+    out = out.reshape(Bsz, L, -1)
+    if state is None:
+        return out, None
+    return out, (phi[:, -1], final[0], final[1].view_as(state[2]), x[:, -1, :, 0])
 
 
 # -----------------------------------------------------------------------------
@@ -1116,28 +1162,35 @@ def _resolve(impl, x):
 
 
 def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
-    """The Mamba-3 scan. Returns y (B, L, H, P) in x's dtype and the final state (S, k_prev,
-    x_prev).
+    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes). Returns y shaped
+    as x, in x's dtype, and the final state (S, k_prev, x_prev).
 
-    impl: "recurrent" (the oracle), "torch" (the chunked form) or "auto", which is the chunked form
-    unless the environment variable MAMBA3_IMPL says "recurrent". The scan has no Triton kernel of
-    its own: on CUDA, Triton runs it fused into the mixer region (mixer, mixer_triton), so
-    impl="triton" is refused here (and MAMBA3_IMPL=triton, which picks the mixer's path, leaves the
-    scan alone on the chunked form). reset (B, L) bool: the state entering a marked position is
-    zero (a document starts there)."""
+    impl: "recurrent" (the oracle), "torch" (the chunked form, chunk_size tokens a chunk) or
+    "auto", which is the chunked form unless the environment variable MAMBA3_IMPL says
+    "recurrent". The scan has no Triton kernel of its own: on CUDA, Triton runs it fused into the
+    mixer region (mixer, mixer_triton), so impl="triton" is refused here (and MAMBA3_IMPL=triton,
+    which picks the mixer's path, leaves the scan alone on the chunked form). reset (B, L) bool:
+    the state entering a marked position is zero (a document starts there)."""
     if impl == "triton":
         raise ValueError("ssd: the scan alone has no Triton kernel (Triton runs it inside the "
                          "mixer region: mixer(impl='triton')); use impl='torch' or 'recurrent'")
-    impl = _resolve(impl, x)
+    impl = "recurrent" if _resolve(impl, x) == "recurrent" else "torch"
     _check_shapes(x, q, k, log_a, gamma, beta)
     _check_reset(reset, x.shape[0], x.shape[1], "ssd")
+    if x.dim() == 4:  # SISO: the same scan with a rank axis of one
+        if state is not None:
+            state = (state[0], state[1][:, :, None], state[2][:, :, None])
+        y, (S, k_last, x_last) = ssd(x[:, :, :, None], q[:, :, :, None], k[:, :, :, None], log_a,
+                                     gamma, beta, state, chunk_size, impl, reset)
+        return y[:, :, :, 0], (S, k_last[:, :, 0], x_last[:, :, 0])
     if impl == "recurrent":
         return ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset)
     return ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size, reset)
 
 
 def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim, ngroups,
-          n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None, impl="auto"):
+          n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None, impl="auto",
+          mimo=None):
     """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state).
 
     impl: "recurrent" or "torch" (mixer_torch, its scan so), "triton" (the fused kernels,
@@ -1145,24 +1198,32 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     variable MAMBA3_IMPL overrides "auto" (handy to A/B the paths without touching code). The fused
     kernels take no decoding state, so with one (Phi, S, k_prev, x_prev), prefill or a decode step,
     "triton" runs mixer_torch with the chunked scan (exact: a float32 state) and the state after
-    the last token comes back (None without)."""
+    the last token comes back (None without). The fused kernels are SISO: with mimo (see
+    mixer_torch) "auto" takes the torch path, and an explicit "triton" is refused."""
+    asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
+    if mimo is not None and impl == "triton":
+        if asked == "triton":
+            raise ValueError(f"mixer: the fused Triton kernels are SISO only, and this layer has "
+                             f"MIMO rank {mimo[0].shape[1]}; use impl='torch' (MAMBA3_IMPL=torch)")
+        impl = "torch"
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
     if impl == "triton" and state is None:
         return mixer_triton(zxbcdt, *params, **kw), None
     scan = "torch" if impl == "triton" else impl
-    return mixer_torch(zxbcdt, *params, state=state, impl=scan, **kw)
+    return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
 
 
 def _check_shapes(x, q, k, log_a, gamma, beta):
-    if x.dim() != 4 or x.shape[1] == 0:
-        raise ValueError(f"ssd: x must be (B, L, H, P) with L >= 1, got {tuple(x.shape)}")
-    B, L, H, _ = x.shape
-    if q.shape != k.shape or q.shape[:3] != (B, L, H):
-        raise ValueError(f"ssd: q and k must be (B, L, H, N) = ({B}, {L}, {H}, N), got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if x.dim() not in (4, 5) or x.shape[1] == 0:
+        raise ValueError(f"ssd: x must be (B, L, H, P), or (B, L, H, R, P) with R ranks, with "
+                         f"L >= 1, got {tuple(x.shape)}")
+    B, L, H = x.shape[:3]
+    if q.shape != k.shape or q.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"ssd: q and k must be {tuple(x.shape[:-1]) + ('N',)}, as x without its "
+                         f"last dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
         if t.shape != (B, L, H):
             raise ValueError(f"ssd: {name} must be (B, L, H) = {(B, L, H)}, got {tuple(t.shape)}")

@@ -1,12 +1,15 @@
-"""The Mamba-3 language model (SISO): config and presets, the mixer, SwiGLU MLP, pre-norm blocks, the tied LM
-head, recurrent decoding and a FLOPs count (Mamba-3, arXiv 2603.15569). The layer's math between in_proj and
-out_proj, and the scan, live in kernels.py.
+"""The Mamba-3 language model: config and presets, the mixer (SISO, or MIMO of rank mimo_rank),
+SwiGLU MLP, pre-norm blocks, the tied LM head, recurrent decoding and a FLOPs count (Mamba-3, arXiv
+2603.15569). The layer's math between in_proj and out_proj, and the scan, live in kernels.py.
 
-A block is h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)) (SwiGLU: down(silu(gate(h)) * up(h)), omitted
-when mlp_hidden is 0), then a final RMSNorm and an LM head tied to the embedding. The mixer is one bias-free
-in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, the region (kernels.mixer) and a bias-free out_proj.
-Decoding keeps per layer the phases, the state S and the last token's k and x, and runs one token of the
-recurrence per step; it reproduces the parallel forward's logits.
+A block is h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)) (SwiGLU: down(silu(gate(h)) *
+up(h)), omitted when mlp_hidden is 0), then a final RMSNorm and an LM head tied to the embedding.
+The mixer is one bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, the region
+(kernels.mixer) and a bias-free out_proj. A MIMO layer (mimo_rank R > 1) has R ranks of B and C,
+lifts x and z per head to R inputs and gates (mimo_x, mimo_z) and sums the R outputs back (mimo_o):
+R times the scan's FLOPs on the same state. Decoding keeps per layer the phases, the state S and
+the last token's k (R of them) and x, and runs one token of the recurrence per step; it reproduces
+the parallel forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -14,6 +17,7 @@ recurrence per step; it reproduces the parallel forward's logits.
 """
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,22 +39,33 @@ class ModelConfig:
     d_state: int = 128  # N
     ngroups: int = 1  # G: B and C are shared by the heads of a group
     rope_fraction: float = 0.5  # the share of state dims rotated by the data-dependent angles
+    mimo_rank: int = 1  # R: 1 is SISO; R > 1 sums R rank-1 updates into the state per token (MIMO)
     mlp_hidden: int = 1536  # SwiGLU hidden size; 0 drops the MLP
-    chunk_size: int = 64  # the scan's chunk length C
+    # the scan's chunk in rows: chunk_size // R tokens of R rows each (the official layer counts
+    # tokens and advises 64 / R for MIMO: 64 rows either way)
+    chunk_size: int = 64
     A_floor: float = 1e-4
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     dt_init_floor: float = 1e-4
     norm_eps: float = 1e-5
-    reset_token: Optional[int] = None  # the state resets after this token (a document's EOS); None: never
+    # the state resets after this token (a document's EOS); None: never
+    reset_token: Optional[int] = None
 
     def __post_init__(self):
         if self.d_inner % self.headdim:
-            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} is not a multiple of headdim {self.headdim}")
+            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} is not a multiple of "
+                             f"headdim {self.headdim}")
         if self.n_heads % self.ngroups:
             raise ValueError(f"{self.n_heads} heads cannot be split into {self.ngroups} groups")
         if self.vocab_size < 1 or self.n_layer < 1:
-            raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} and {self.n_layer}")
+            raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} and "
+                             f"{self.n_layer}")
+        if self.mimo_rank < 1 or self.chunk_size % self.mimo_rank:
+            raise ValueError(f"mimo_rank (--mimo-rank) must be at least 1 and divide chunk_size "
+                             f"{self.chunk_size} (a chunk of the scan is chunk_size rows: "
+                             f"chunk_size // mimo_rank tokens of mimo_rank rows each), got "
+                             f"{self.mimo_rank}")
 
     @property
     def d_inner(self):
@@ -65,15 +80,21 @@ class ModelConfig:
         return int(self.d_state * self.rope_fraction / 2)
 
     @property
+    def chunk_tokens(self):  # C: tokens per chunk of the scan
+        return self.chunk_size // self.mimo_rank
+
+    @property
     def padded_vocab(self):
         return -(-self.vocab_size // 64) * 64
 
 
-# The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is GPT-2's here; train.py sets it from
-# the data. Peak learning rates for the recipe live in train.py.
+# The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is GPT-2's
+# here; train.py sets it from the data. Peak learning rates for the recipe live in train.py.
 PRESETS = {
-    "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128, chunk_size=16),
-    "small": ModelConfig(n_layer=4, d_model=256, headdim=64, d_state=32, mlp_hidden=512, chunk_size=64),
+    "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128,
+                        chunk_size=16),
+    "small": ModelConfig(n_layer=4, d_model=256, headdim=64, d_state=32, mlp_hidden=512,
+                         chunk_size=64),
     "180m": ModelConfig(n_layer=12, d_model=768, mlp_hidden=1536),
     "440m": ModelConfig(n_layer=24, d_model=1024, mlp_hidden=2048),
     "880m": ModelConfig(n_layer=24, d_model=1536, mlp_hidden=3072),
@@ -81,27 +102,32 @@ PRESETS = {
 }
 
 # Dense bf16 peak FLOP/s by GPU name: MFU = flops_per_token x tokens/s / peak.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "L4": 121e12, "A10G": 125e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+              "L40S": 362e12, "L4": 121e12, "A10G": 125e12, "A10": 125e12, "RTX 4090": 165e12,
+              "RTX 3090": 71e12, "V100": 125e12}
 
 
 def peak_flops(device_name):
-    """The peak of the first table entry in a GPU's name (torch.cuda.get_device_name()); None if none is."""
+    """The peak of the first table entry in a GPU's name (torch.cuda.get_device_name()); None if
+    none is."""
     return next((flops for name, flops in PEAK_FLOPS.items() if name in device_name), None)
 
 
 def pick_device(flag):
-    """--device auto|cpu|cuda -> "cpu" or "cuda"; cuda without a CUDA device is a ValueError that says so."""
+    """--device auto|cpu|cuda -> "cpu" or "cuda"; cuda without a CUDA device is a ValueError that
+    says so."""
     if flag == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if flag == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu (or auto)")
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device; use --device "
+                         "cpu (or auto)")
     return flag
 
 
 def bf16_native(device):
-    """Whether bf16 autocast pays off on "cuda" or "cpu": bf16 matmuls run at several times the float32 rate on
-    GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX; there it nearly halves a step of the small preset)."""
+    """Whether bf16 autocast pays off on "cuda" or "cpu": bf16 matmuls run at several times the
+    float32 rate on GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX; there it nearly
+    halves a step of the small preset)."""
     if device == "cuda":
         return torch.cuda.is_bf16_supported()
     with contextlib.suppress(AttributeError, RuntimeError):
@@ -110,40 +136,56 @@ def bf16_native(device):
 
 
 class Mamba3Mixer(nn.Module):
-    """One Mamba-3 SISO layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary angles, the
-    scan, the D skip and the silu(z) gate: kernels.mixer) and out_proj."""
+    """One Mamba-3 layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary
+    angles, the scan, the D skip and the silu(z) gate: kernels.mixer; MIMO with mimo_rank > 1) and
+    out_proj."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        H, N, G, S = cfg.n_heads, cfg.d_state, cfg.ngroups, cfg.n_angles
-        # z | x | B | C | dd_dt | dd_A | trap | angle
-        self.split = kernels.split_sizes(H, cfg.headdim, G, N, S)
+        H, P, N, G, S = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.n_angles
+        R = cfg.mimo_rank
+        # z | x | B | C | dd_dt | dd_A | trap | angle, B and C with R ranks each
+        self.split = kernels.split_sizes(H, P, G, N, S, R)
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=False)
-        # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales across heads
-        dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max))).clamp(min=cfg.dt_init_floor)
+        # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales
+        # across heads
+        dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max)))
+        dt0 = dt0.clamp(min=cfg.dt_init_floor)
         self.dt_bias = nn.Parameter(dt0 + torch.log(-torch.expm1(-dt0)))
         self.B_norm_weight = nn.Parameter(torch.ones(N))
         self.C_norm_weight = nn.Parameter(torch.ones(N))
-        self.B_bias = nn.Parameter(torch.ones(H, N))  # ones, not zeros: the paper's ablations
-        self.C_bias = nn.Parameter(torch.ones(H, N))
+        # one per head and rank (SISO: the official (H, 1, N) squeezed); ones, not zeros: the
+        # paper's ablations
+        bias = (H, N) if R == 1 else (H, R, N)
+        self.B_bias = nn.Parameter(torch.ones(bias))
+        self.C_bias = nn.Parameter(torch.ones(bias))
+        if R > 1:  # per head and channel: x and z lifted to R inputs and gates, the R outputs
+            # summed back; the official init: the layer starts as the mean of R copies of a SISO one
+            self.mimo_x = nn.Parameter(torch.full((H, R, P), 1 / R))
+            self.mimo_z = nn.Parameter(torch.ones(H, R, P))
+            self.mimo_o = nn.Parameter(torch.full((H, R, P), 1 / R))
         self.D = nn.Parameter(torch.ones(H))
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=False)
 
     def forward(self, u, cache=None, impl="auto", reset=None):
-        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache) the region starts
-        from the cached state and leaves its final state there: prefill, and the decode step with L = 1.
-        reset (B, L) bool: positions where a document starts (nothing before them reaches them)."""
+        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache)
+        the region starts from the cached state and leaves its final state there: prefill, and the
+        decode step with L = 1. reset (B, L) bool: positions where a document starts (nothing
+        before them reaches them)."""
         return self.out_proj(self.region(self.in_proj(u), cache, impl, reset))
 
     def region(self, zxbcdt, cache=None, impl="auto", reset=None):
         """in_proj's output -> out_proj's input (B, L, d_inner), in zxbcdt's dtype."""
         cfg = self.cfg
-        state = None if cache is None else (cache["phi"], cache["S"], cache["k_prev"], cache["x_prev"])
-        out, state = kernels.mixer(zxbcdt, self.dt_bias, self.B_norm_weight, self.C_norm_weight, self.B_bias,
-                                   self.C_bias, self.D, headdim=cfg.headdim, ngroups=cfg.ngroups,
-                                   n_angles=cfg.n_angles, chunk_size=cfg.chunk_size, A_floor=cfg.A_floor,
-                                   eps=cfg.norm_eps, reset=reset, state=state, impl=impl)
+        state = None if cache is None else tuple(cache[k] for k in ("phi", "S", "k_prev", "x_prev"))
+        mimo = (self.mimo_x, self.mimo_z, self.mimo_o) if cfg.mimo_rank > 1 else None
+        out, state = kernels.mixer(zxbcdt, self.dt_bias, self.B_norm_weight, self.C_norm_weight,
+                                   self.B_bias, self.C_bias, self.D, headdim=cfg.headdim,
+                                   ngroups=cfg.ngroups, n_angles=cfg.n_angles,
+                                   chunk_size=cfg.chunk_tokens, A_floor=cfg.A_floor,
+                                   eps=cfg.norm_eps, reset=reset, state=state, impl=impl,
+                                   mimo=mimo)
         if cache is not None:  # in place, so the caller's cache object moves forward
             for name, value in zip(("phi", "S", "k_prev", "x_prev"), state):
                 cache[name].copy_(value)
@@ -192,16 +234,21 @@ class Mamba3LM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.grad_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more compute
+        # recompute each block in backward: less memory, ~1/3 more compute
+        self.grad_checkpointing = False
         self.embed = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.lm_head.weight = self.embed.weight  # tied: one tensor, two uses
         # init: embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
-        # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the stream's
-        # variance does not grow with depth (two residual writes per block)
+        # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the
+        # stream's variance does not grow with depth (two residual writes per block)
         nn.init.normal_(self.embed.weight, std=0.02)
+        if config.mimo_rank > 1 and torch.cuda.is_available() and kernels.triton_available():
+            # said here, once: under torch.compile the layer's own dispatch cannot print
+            warnings.warn(f"mimo_rank {config.mimo_rank}: the fused Triton kernels are SISO only, "
+                          f"so on CUDA this model's layers run the chunked PyTorch path")
         for block in self.blocks:
             for proj in (block.mixer.out_proj, block.mlp.down if block.mlp is not None else None):
                 if proj is not None:
@@ -209,32 +256,39 @@ class Mamba3LM(nn.Module):
                         proj.weight.mul_(1 / math.sqrt(2 * config.n_layer))
 
     def num_params(self):
-        """Parameters, the tied embedding / LM head counted once (padded vocabulary rows included)."""
+        """Parameters, the tied embedding / LM head counted once (padded vocabulary rows
+        included)."""
         return sum(p.numel() for p in self.parameters())
 
     def param_groups(self, weight_decay):
-        """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on dt_bias, D,
-        norm weights and the B/C biases)."""
-        decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on
+        dt_bias, D, norm weights, the B/C biases and MIMO's mimo_x, mimo_z, mimo_o. (The official
+        layer exempts only dt_bias and D by name and leaves the rest to the trainer; the mimo
+        vectors are per-channel scales like the norm weights, and decay would pull them toward 0,
+        shrinking the layer's inputs and outputs.)"""
+        matrices = (nn.Linear, nn.Embedding)
+        decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, matrices)}
         no_decay = [p for p in self.parameters() if id(p) not in decay]
         return [{"params": list(decay.values()), "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every matmul (the LM
-        head included, the embedding lookup not), plus the scan's matmuls per chunk of C tokens: Q K^T and
-        M X (2C(N+P) per token and head) and the state in and out (4PN)."""
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every matmul
+        (the LM head included, the embedding lookup not), plus the scan's matmuls per chunk of C
+        tokens, C*R rows at MIMO rank R: Q K^T and M X (2CR^2(N+P) per token and head) and the
+        state in and out (4RPN)."""
         cfg = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        C = min(cfg.chunk_size, seq_len)
+        C, R = min(cfg.chunk_tokens, seq_len), cfg.mimo_rank
         P, N = cfg.headdim, cfg.d_state
-        scan = cfg.n_layer * cfg.n_heads * (2 * C * (N + P) + 4 * P * N)
+        scan = cfg.n_layer * cfg.n_heads * (2 * C * R * R * (N + P) + 4 * R * P * N)
         return 6 * matmul_params + 3 * scan
 
     def resets(self, idx):
-        """(B, L) bool: True where the previous token is reset_token (a document starts there); None when the
-        config has no reset_token. Position 0 is never marked: a cached call that follows a reset_token starts
-        from a cache that was already cleared (see _clear_after_reset)."""
+        """(B, L) bool: True where the previous token is reset_token (a document starts there);
+        None when the config has no reset_token. Position 0 is never marked: a cached call that
+        follows a reset_token starts from a cache that was already cleared (see
+        _clear_after_reset)."""
         if self.config.reset_token is None:
             return None
         return F.pad(idx[:, :-1] == self.config.reset_token, (1, 0))
@@ -255,7 +309,8 @@ class Mamba3LM(nn.Module):
         return self.lm_head(h)[..., : self.config.vocab_size]  # padded rows are never predicted
 
     def forward(self, idx, targets=None):
-        """idx (B, L) int64 -> (logits (B, L, vocab_size), loss or None). Targets equal to -1 are ignored."""
+        """idx (B, L) int64 -> (logits (B, L, vocab_size), loss or None). Targets equal to -1 are
+        ignored."""
         logits = self.logits(self.hidden(idx))
         loss = None
         if targets is not None:
@@ -265,19 +320,23 @@ class Mamba3LM(nn.Module):
     # --- recurrent decoding ---
 
     def init_cache(self, batch_size):
-        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N) and x (B, H, P).
-        Phi and S are float32 (float64 for a float64 model)."""
-        cfg = self.config
-        p = self.embed.weight
+        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k (B, H, N),
+        or its R k's (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R inputs are lifted from
+        it again). Phi and S are float32 (float64 for a float64 model)."""
+        cfg, p = self.config, self.embed.weight
         fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
         B, H, P, N, S = batch_size, cfg.n_heads, cfg.headdim, cfg.d_state, cfg.n_angles
+        R = cfg.mimo_rank
+        k = (B, H, N) if R == 1 else (B, H, R, N)
         return [dict(phi=torch.zeros(B, H, S, dtype=fdt, device=p.device),
                      S=torch.zeros(B, H, P, N, dtype=fdt, device=p.device),
-                     k_prev=torch.zeros(B, H, N, dtype=p.dtype, device=p.device),
-                     x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device)) for _ in range(cfg.n_layer)]
+                     k_prev=torch.zeros(k, dtype=p.dtype, device=p.device),
+                     x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device))
+                for _ in range(cfg.n_layer)]
 
     def _clear_after_reset(self, last, cache):
-        # a sequence whose last consumed token is reset_token continues as a fresh document: zero its cache rows
+        # a sequence whose last consumed token is reset_token continues as a fresh document: zero
+        # its cache rows
         if self.config.reset_token is not None:
             done = last == self.config.reset_token  # (B,)
             for layer in cache:
@@ -286,22 +345,24 @@ class Mamba3LM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, idx, cache):
-        """Run idx (B, L) through the chunked scan from the cache's state; returns the last position's logits."""
+        """Run idx (B, L) through the chunked scan from the cache's state; returns the last
+        position's logits."""
         logits = self.logits(self.hidden(idx, cache)[:, -1])
         self._clear_after_reset(idx[:, -1], cache)
         return logits
 
     @torch.no_grad()
     def step(self, tokens, cache):
-        """One token per sequence, tokens (B,) -> logits (B, vocab_size); O(1) work, the cache updated in place."""
+        """One token per sequence, tokens (B,) -> logits (B, vocab_size); O(1) work, the cache
+        updated in place."""
         logits = self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
         self._clear_after_reset(tokens, cache)
         return logits
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Yield (B,) tokens one at a time: prefill idx (B, L) with the chunked scan, then decode recurrently.
-        temperature 0 means greedy."""
+        """Yield (B,) tokens one at a time: prefill idx (B, L) with the chunked scan, then decode
+        recurrently. temperature 0 means greedy."""
         cache = self.init_cache(idx.shape[0])
         logits = self.prefill(idx, cache)
         for i in range(max_new_tokens):
@@ -318,7 +379,8 @@ class Mamba3LM(nn.Module):
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """logits (B, V) -> (B,) int64: greedy at temperature 0, else softmax sampling over the top_k."""
+    """logits (B, V) -> (B,) int64: greedy at temperature 0, else softmax sampling over the
+    top_k."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature

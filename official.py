@@ -7,18 +7,27 @@ lm-evaluation-harness runs it: `lm_eval --model mamba_ssm`); read_pretrained() b
 directory, or a run directory, back for `train.py --init-from`; load_model() rebuilds the model of a
 run directory's checkpoint (for sample.py, the export and --init-from).
 
-The official Mamba3 layer with MIMO and the output norm off is our mixer (the same in_proj layout
-and math), its blocks are ours (pre-norm RMSNorm, mixer, RMSNorm, gated MLP) and its head is tied.
-What differs is names and the packing of a few tensors:
+The official Mamba3 layer with the output norm off is our mixer (the same in_proj layout and math;
+MIMO with is_mimo and mimo_rank R, our mimo_rank R > 1), its blocks are ours (pre-norm RMSNorm,
+mixer, RMSNorm, gated MLP) and its head is tied. What differs is names and the packing of a few
+tensors:
 
     ours                    official                               change
     embed.weight (V64, D)   backbone.embedding.weight, lm_head.weight  vocab_size rows, tied
     blocks.i.norm1, norm2   backbone.layers.i.norm, norm2
     blocks.i.mixer.*        backbone.layers.i.mixer.*              B_norm_weight -> B_norm.weight
-    mixer.B_bias, C_bias    (H, 1, N)                              a MIMO rank axis, 1 here
+    mixer.B_bias, C_bias    (H, 1, N) for SISO                     a MIMO rank axis, 1 here
+    mixer.mimo_x, _z, _o    the same, (H, R, P)                    MIMO only
     blocks.i.mlp.up, gate   backbone.layers.i.mlp.fc1 (2F, D)      [up; gate], as GatedMLP splits
     blocks.i.mlp.down       backbone.layers.i.mlp.fc2
     norm_f                  backbone.norm_f
+
+Two more for MIMO. Our chunk_size counts rows, the official one tokens: theirs is ours / R. And the
+official MIMO kernel rotates state dim n with n + N/2 (n below the number of angles) where we rotate
+(2n, 2n + 1), as its SISO kernel does: a fixed permutation of the N state dims (halves()), which
+leaves the layer's function unchanged when it is applied to everything indexed by them: the B and C
+rows of in_proj, their norm weights and their biases. An official MIMO layer of rank 1 comes in as
+SISO, its mimo_x, mimo_z and mimo_o folded into in_proj's x and z rows and out_proj's columns.
 
 What the official modules cannot rebuild exactly is refused: an MLP hidden size that is not a
 multiple of 128 (GatedMLP rounds it up), rope_fraction other than 0.5 or 1.0, an odd or zero number
@@ -58,10 +67,14 @@ CONFIG_DEFAULTS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_nor
 MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=1e-3,
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
-MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}  # no effect on SISO
+MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
+# no effect here (mimo_rank: read only with is_mimo; fuse_pregate_headwise_norm: only with the
+# output norm)
+MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
 MIXER_NAMES = [("in_proj.weight", "in_proj.weight"), ("dt_bias", "dt_bias"), ("B_bias", "B_bias"),
                ("C_bias", "C_bias"), ("B_norm_weight", "B_norm.weight"), ("C_norm_weight",
                "C_norm.weight"), ("D", "D"), ("out_proj.weight", "out_proj.weight")]
+MIMO_NAMES = ["mimo_x", "mimo_z", "mimo_o"]  # MIMO's own, the same names both ways
 
 # -----------------------------------------------------------------------------
 # the two formats: configs and state dicts, each way
@@ -88,7 +101,9 @@ def official_config(cfg) -> dict:
     if problems:
         raise CheckpointError("; ".join(problems))
     mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
-    ssm_cfg = {"layer": "Mamba3", **mixer, "is_outproj_norm": False, "is_mimo": False}
+    mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
+    ssm_cfg = {"layer": "Mamba3", **mixer, "chunk_size": cfg.chunk_tokens,
+               "is_outproj_norm": False, "is_mimo": bool(mimo), **mimo}
     # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one kernel
     return dict(d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden, n_layer=cfg.n_layer,
                 vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={},
@@ -98,7 +113,7 @@ def official_config(cfg) -> dict:
 
 def config_from_official(config: dict, where) -> dict:
     """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` for a
-    missing or unknown field and for what our model cannot be (other layers, MIMO, the output norm,
+    missing or unknown field and for what our model cannot be (other layers, the output norm,
     attention, LayerNorm, an untied head)."""
     core = {"d_model", "n_layer", "vocab_size", "ssm_cfg"}
     missing = sorted(core - config.keys())
@@ -107,12 +122,13 @@ def config_from_official(config: dict, where) -> dict:
     ssm = {**MAMBA3_DEFAULTS, **(c.get("ssm_cfg") or {})}
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
     layer = ssm.get("layer", "Mamba1")  # (the official default)
+    R = ssm.get("mimo_rank", MIMO_RANK) if ssm["is_mimo"] else 1
     problems = [what for what, bad in [
         (f"missing {', '.join(missing)}", missing),
         (f"unknown fields {', '.join(unknown)}", unknown),
         (f"ssm_cfg layer {layer}, not Mamba3", layer != "Mamba3"),
         (f"ssm_cfg options this reader does not know: {', '.join(extra)}", extra),
-        ("MIMO layers (is_mimo)", ssm["is_mimo"]),
+        (f"mimo_rank {R!r}", not isinstance(R, int) or R < 1),
         ("a norm before out_proj (is_outproj_norm)", ssm["is_outproj_norm"]),
         (f"attention layers {c['attn_layer_idx']}", c["attn_layer_idx"]),
         ("LayerNorm blocks (rms_norm false)", not c["rms_norm"]),
@@ -121,23 +137,26 @@ def config_from_official(config: dict, where) -> dict:
         (f"rope_fraction {ssm['rope_fraction']}", ssm["rope_fraction"] not in (0.5, 1.0))] if bad]
     if problems:
         raise CheckpointError(f"{where}: {'; '.join(problems)}. mamba3-lite reads Mamba-3 SISO "
-                              "models with RMSNorm, gated MLPs and a tied LM head")
-    mixer = ("headdim", "d_state", "ngroups", "rope_fraction", "chunk_size", "A_floor", "dt_min",
-             "dt_max", "dt_init_floor")
+                              "and MIMO models with RMSNorm, gated MLPs and a tied LM head")
+    mixer = ("headdim", "d_state", "ngroups", "rope_fraction", "A_floor", "dt_min", "dt_max",
+             "dt_init_floor")
     mlp_hidden = -(-c["d_intermediate"] // MLP_MULTIPLE) * MLP_MULTIPLE  # as GatedMLP rounds it
     return dict(vocab_size=c["vocab_size"], n_layer=c["n_layer"], d_model=c["d_model"],
                 expand=int(ssm["expand"]), mlp_hidden=mlp_hidden, norm_eps=NORM_EPS,
-                reset_token=None, **{k: ssm[k] for k in mixer})
+                reset_token=None, mimo_rank=R, chunk_size=ssm["chunk_size"] * R,
+                **{k: ssm[k] for k in mixer})
 
 
-def _name_pairs(cfg):
-    """(our key, official key) of every tensor that keeps its values (fc1, lm_head are special)."""
+def _name_pairs(cfg, mimo=False):
+    """(our key, official key) of every tensor that keeps its values (fc1, lm_head are special);
+    with the MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)."""
+    mixer = MIXER_NAMES + [(n, n) for n in MIMO_NAMES] * (mimo or cfg.mimo_rank > 1)
     pairs = [("embed.weight", "backbone.embedding.weight"),
              ("norm_f.weight", "backbone.norm_f.weight")]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"backbone.layers.{i}."
         pairs += [(ours + "norm1.weight", theirs + "norm.weight")]
-        pairs += [(ours + "mixer." + a, theirs + "mixer." + b) for a, b in MIXER_NAMES]
+        pairs += [(ours + "mixer." + a, theirs + "mixer." + b) for a, b in mixer]
         if cfg.mlp_hidden:
             pairs += [(ours + "norm2.weight", theirs + "norm2.weight"),
                       (ours + "mlp.down.weight", theirs + "mlp.fc2.weight")]
@@ -155,18 +174,62 @@ def _per_block(keys):
     return ", ".join(sorted({re.sub(r"^blocks\.\d+\.", "blocks.N.", k) for k in keys})) or "nothing"
 
 
+def halves(cfg):
+    """The official MIMO kernel's order of the N state dims, in ours: its dim o is our dim
+    halves(cfg)[o]. It rotates dim n with n + N // 2 for n < S (S angles), we rotate 2n with
+    2n + 1; the dims that pass unrotated keep their order (the last N - N // 2 - S stay put)."""
+    N, S, h = cfg.d_state, cfg.n_angles, cfg.d_state // 2
+    return torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
+                        [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
+
+
+def _reorder_state_dims(state, cfg, order):
+    """Our state dict (a new dict) with every mixer's state dims taken in `order` (halves(cfg) to
+    the official MIMO layout, its argsort back): the B and C rows of in_proj, B and C's norm
+    weights and biases."""
+    H, P, N, G, R = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.mimo_rank
+    lo, hi = 2 * H * P, 2 * H * P + 2 * R * G * N  # in_proj's B | C rows: R x G blocks of N each
+    state = dict(state)
+    for i in range(cfg.n_layer):
+        m = f"blocks.{i}.mixer."
+        W = state[m + "in_proj.weight"]
+        bc = W[lo:hi].view(2 * R * G, N, -1)[:, order].flatten(0, 1)
+        state[m + "in_proj.weight"] = torch.cat([W[:lo], bc, W[hi:]])
+        for name in ("B_norm_weight", "C_norm_weight", "B_bias", "C_bias"):
+            state[m + name] = state[m + name][..., order]
+    return state
+
+
+def _fold_rank_one(state, vectors, cfg):
+    """Official MIMO layers of rank 1 as our SISO ones (state in our names, changed in place; the
+    vectors mimo_x, _z, _o by our names): v = x * mimo_x and z * mimo_z are in_proj's x and z rows
+    scaled, mimo_o * y is out_proj's columns scaled."""
+    HP = cfg.n_heads * cfg.headdim
+    for i in range(cfg.n_layer):
+        m = f"blocks.{i}.mixer."
+        mx, mz, mo = (vectors[m + n].reshape(HP) for n in MIMO_NAMES)
+        W = state[m + "in_proj.weight"].clone()
+        W[:HP] *= mz[:, None].to(W.dtype)  # z | x | ...
+        W[HP:2 * HP] *= mx[:, None].to(W.dtype)
+        state[m + "in_proj.weight"] = W
+        state[m + "out_proj.weight"] = state[m + "out_proj.weight"] * mo.to(W.dtype)
+
+
 def official_state_dict(state, cfg) -> dict:
-    """Our state dict -> the official one: the embedding without its padding rows, tied to lm_head.
-    A model whose tensors differ from ours (another MLP in model.py, say) is a CheckpointError that
-    names what the official blocks cannot hold and what they need."""
+    """Our state dict -> the official one: the embedding without its padding rows, tied to lm_head;
+    MIMO's state dims in the official kernel's order. A model whose tensors differ from ours
+    (another MLP in model.py, say) is a CheckpointError that names what the official blocks cannot
+    hold and what they need."""
     ours = {a for a, _ in _name_pairs(cfg)} | {k for _, *ks in _fc1(cfg) for k in ks}
     extra, lacking = state.keys() - ours - {"lm_head.weight"}, ours - state.keys()
     if extra or lacking:
         raise CheckpointError("the official blocks hold RMSNorm, the Mamba3 mixer, RMSNorm and a "
                               "gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot "
                               f"hold {_per_block(extra)}; they need {_per_block(lacking)}")
+    if cfg.mimo_rank > 1:
+        state = _reorder_state_dims(state, cfg, halves(cfg))
     out = {theirs: state[ours].clone() for ours, theirs in _name_pairs(cfg)}
-    for name in [k for k in out if k.endswith(("B_bias", "C_bias"))]:
+    for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, None]  # (H, N) -> (H, 1, N): the official MIMO rank axis
     embedding = state["embed.weight"][: cfg.vocab_size].clone()
     out["lm_head.weight"] = out["backbone.embedding.weight"] = embedding
@@ -175,11 +238,12 @@ def official_state_dict(state, cfg) -> dict:
     return out
 
 
-def state_dict_from_official(state, cfg, where) -> dict:
+def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     """An official state dict -> ours for ModelConfig `cfg`, checked against our model (keys and
-    shapes; a CheckpointError names `where`). Padding rows beyond the vocabulary are zeros: no token
-    uses them."""
-    expected = {k for _, k in _name_pairs(cfg)} | {fc1 for fc1, *_ in _fc1(cfg)}
+    shapes; a CheckpointError names `where`); mimo: its layers are MIMO (is_mimo), of cfg's rank
+    or of rank 1. Padding rows beyond the vocabulary are zeros: no token uses them."""
+    fold = mimo and cfg.mimo_rank == 1
+    expected = {k for _, k in _name_pairs(cfg, fold)} | {fc1 for fc1, *_ in _fc1(cfg)}
     expected.add("lm_head.weight")
     missing = sorted(expected - state.keys() - {"lm_head.weight"})
     unexpected = sorted(state.keys() - expected)
@@ -190,21 +254,29 @@ def state_dict_from_official(state, cfg, where) -> dict:
     if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], emb):
         raise CheckpointError(f"{where}: lm_head.weight is not backbone.embedding.weight, though "
                               f"tie_embeddings says so")
-    out = {ours: state[theirs] for ours, theirs in _name_pairs(cfg)}
-    for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and out[k].dim() == 3]:
-        out[name] = out[name][:, 0]
+    shape = (cfg.n_heads, 1, cfg.headdim)
+    for k in [k for k in state if fold and k.endswith(tuple(MIMO_NAMES))]:  # folded into ours below
+        if state[k].shape != shape:
+            raise CheckpointError(f"{where} does not fit its config.json: {k} is "
+                                  f"{tuple(state[k].shape)}, not {shape}")
+    out = {ours: state[theirs] for ours, theirs in _name_pairs(cfg, fold)}
+    for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
+        out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
     for fc1, up, gate in _fc1(cfg):
         out[up], out[gate] = state[fc1].chunk(2)
     out["embed.weight"] = emb.new_zeros(cfg.padded_vocab, emb.shape[1])
     out["embed.weight"][: min(len(emb), cfg.padded_vocab)] = emb[: cfg.padded_vocab]
     out["lm_head.weight"] = out["embed.weight"]
+    vectors = {k: out.pop(k) for k in list(out) if k.endswith(tuple(MIMO_NAMES))} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
         try:
             Mamba3LM(cfg).load_state_dict(out, assign=True)
         except RuntimeError as e:
             last = str(e).splitlines()[-1].strip()
             raise CheckpointError(f"{where} does not fit its config.json: {last}") from None
-    return out
+    if fold:
+        _fold_rank_one(out, vectors, cfg)
+    return _reorder_state_dims(out, cfg, halves(cfg).argsort()) if mimo else out
 
 
 # -----------------------------------------------------------------------------
@@ -288,7 +360,8 @@ def read_pretrained(path):
         cfg = ModelConfig(**config)
     except ValueError as e:  # a shape our model cannot take (heads that do not divide, say)
         raise CheckpointError(f"{p / 'config.json'}: {e}") from None
-    state = state_dict_from_official(state, cfg, weights[0])
+    mimo = bool((mamba_config.get("ssm_cfg") or {}).get("is_mimo"))
+    state = state_dict_from_official(state, cfg, weights[0], mimo)
     return config, state, marker["tokenizer"] if marker else None
 
 

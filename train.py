@@ -83,6 +83,8 @@ class TrainConfig:
     init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, "
                          "schedule, data): a run directory or an official mamba_ssm one.")] = None
     reset_at_eos: Annotated[bool, Option(help="Reset the state after each EOS.")] = False
+    mimo_rank: Annotated[Int, Option(min=1, help="MIMO rank R of the layers; 1 is SISO (default: "
+                         "1, or --init-from's).")] = None
     # the batch and the schedule
     seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
     batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and "
@@ -141,9 +143,11 @@ def resolve(cfg, init=None):
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
         same = [p for p, c in PRESETS.items() if all(getattr(c, k) == init[k] for k in keys)]
-        if cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"]):
+        if (cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"])
+                or cfg.mimo_rank not in (None, init["mimo_rank"])):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model and --vocab-size may not change it: leave them out")
+                             f"--model, --vocab-size and --mimo-rank may not change it: leave them "
+                             f"out")
         model = cfg.model or (same + ["small"])[0]
     recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
               for k, v in RECIPES[model].items()}
@@ -190,7 +194,8 @@ def build_model(cfg, init, source):
                          f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
                          f"mean other things")
     config = (ModelConfig(**init[0]) if init
-              else dataclasses.replace(PRESETS[cfg.model], vocab_size=cfg.vocab_size))
+              else dataclasses.replace(PRESETS[cfg.model], vocab_size=cfg.vocab_size,
+                                       mimo_rank=cfg.mimo_rank or 1))
     if cfg.reset_at_eos:
         config = dataclasses.replace(config, reset_token=source.eos_id)
     check_memory(cfg, config)  # before the weights take any

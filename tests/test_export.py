@@ -285,7 +285,9 @@ def test_a_failed_export_changes_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c["ssm_cfg"].update(is_mimo=True), "MIMO layers"),
+    (lambda c: c["ssm_cfg"].update(is_mimo=True), r"missing \['backbone.layers.0.mixer.mimo_o', "),
+    (lambda c: c["ssm_cfg"].update(is_mimo=True, mimo_rank=0), "mimo_rank 0"),
+    (lambda c: c["ssm_cfg"].update(is_mimo=True, mimo_rank="2"), "mimo_rank '2'"),
     (lambda c: c["ssm_cfg"].update(is_outproj_norm=True), "a norm before out_proj"),
     (lambda c: c["ssm_cfg"].update(layer="Mamba2"), "ssm_cfg layer Mamba2, not Mamba3"),
     (lambda c: c["ssm_cfg"].update(rope_fraction=0.25), "rope_fraction 0.25"),

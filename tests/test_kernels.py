@@ -76,8 +76,9 @@ def test_final_state_is_the_recurrence_state():
     _, state = ssd(*(t[:, :40] for t in inputs), chunk_size=16, impl="torch")
     S, k_prev, x_prev = state
     x, q, k, log_a, gamma, beta = (t[:, 40] for t in inputs)
-    y_last, _ = kernels.recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta)
-    assert (y_last - y_full[:, 40]).abs().max() <= 1e-10
+    one = lambda t: t[:, :, None]  # noqa: E731 - recurrent_step takes a rank axis (1 here)
+    y_last, _ = kernels.recurrent_step(S, one(k_prev), one(x_prev), one(x), one(q), one(k), log_a, gamma, beta)
+    assert (y_last[:, :, 0] - y_full[:, 40]).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("impl", ["recurrent", "torch"])
