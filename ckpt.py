@@ -330,7 +330,10 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
                                 f"({str(e)[:200]})") from None
     own, diffs, saved, absent = module.state_dict(), [], meta.get("model_config"), "<absent>"
     if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
+        # a field newer than the checkpoint counts as its default: older checkpoints keep loading
+        new = {f.name: f.default for f in dataclasses.fields(live) if f.default is not dataclasses.MISSING}
         live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists
+        saved = {**json.loads(json.dumps(new, default=repr)), **saved}
         diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
                  for k in sorted(saved.keys() | live.keys()) if saved.get(k, absent) != live.get(k, absent)]
     diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]

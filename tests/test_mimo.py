@@ -416,8 +416,6 @@ def test_init_from_refuses_another_rank(tmp_path):
     assert train.resolve(dataclasses.replace(cfg, mimo_rank=2), init).mimo_rank == 2
 
 
-@pytest.mark.xfail(strict=True, reason="ckpt.load counts a ModelConfig field that an older "
-                   "checkpoint lacks (mimo_rank) as a difference; the fix belongs in ckpt.py")
 def test_a_checkpoint_from_before_mimo_loads(tmp_path):
     model = make_run(tmp_path / "run", dataclasses.replace(CONFIG, mimo_rank=1))
     meta_path = tmp_path / "run" / "meta_step_1.json"
