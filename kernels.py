@@ -517,23 +517,25 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return mask
 
     @triton.jit
-    def _one_segment(seg, i):
-        # (C, C): j <= i and no reset between them
-        return (i[None, :] <= i[:, None]) & (seg[:, None] == seg[None, :])
-
-    @triton.jit
     def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr,
                       HAS_RESET: tl.constexpr):
-        # chunk c's tokens t, which of them exist (t < L), their rows of zxbcdt (B, L, W), and seg:
-        # the resets counted from the chunk's start through each token (zeros without resets)
+        # chunk c's tokens t, which of them exist (t < L), their rows of zxbcdt (B, L, W), seg: the
+        # resets counted from the chunk's start through each token, and start: where each token's
+        # segment starts in the chunk, the latest reset at or before it (zeros without resets)
         t = c * C + i
         valid = t < L
         rows = zx_ptr + b * s_b + t * s_l
         if HAS_RESET:
-            seg = tl.cumsum(tl.load(reset_ptr + b * L + t, mask=valid, other=0).to(tl.int32), 0)
+            r = tl.load(reset_ptr + b * L + t, mask=valid, other=0).to(tl.int32)
+            seg = tl.cumsum(r, 0)
+            start = tl.associative_scan(tl.where(r != 0, i, 0), 0, _maximum)
         else:
-            seg = tl.zeros(t.shape, tl.int32)
-        return t, valid, rows, seg
+            seg, start = tl.zeros(t.shape, tl.int32), tl.zeros(t.shape, tl.int32)
+        return t, valid, rows, seg, start
+
+    @triton.jit
+    def _maximum(a, b):
+        return tl.maximum(a, b)
 
     @triton.jit
     def _softplus(v):
@@ -584,15 +586,16 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return _Scalars(dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, cs)
 
     @triton.jit
-    def _decays(cs, seg, i, C: tl.constexpr):
-        """A chunk's decays from its cs and seg (C,), 0 wherever they would cross a reset:
+    def _decays(cs, seg, start, i, C: tl.constexpr):
+        """A chunk's decays from its cs, seg and start (C,), 0 wherever they would cross a reset:
             decay_ij = exp(cs_i - cs_j) for j <= i in one segment      (C, C)
             e_i = exp(cs_i),  f_j = exp(cs_last - cs_j),  a = exp(cs_last)
         (from the chunk's start to i, from j to its end, over the whole chunk). Every exponent is
         <= 0 (log_a <= 0) but the differences above the diagonal, > 0 and possibly huge: they are
-        clamped to 0 first and masked after."""
+        clamped to 0 first and masked after. (j in i's segment is start_i <= j <= i: a test on
+        one row vector, where seg_i == seg_j would need seg as a column too, in another layout.)"""
         cs_last, seg_last = _last(cs, i, C), _last(seg, i, C)
-        same = _one_segment(seg, i)
+        same = (i[None, :] <= i[:, None]) & (i[None, :] >= start[:, None])
         decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
         e = tl.where(seg == 0, tl.exp(cs), 0.0)
         f = tl.where(seg == seg_last, tl.exp(cs_last - cs), 0.0)
@@ -622,20 +625,44 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return dvo * ve - dve * vo
 
     @triton.jit
-    def _phase(rows, valid, col_ang, S, j, dt, seg, same, carry, ACC: tl.constexpr,
+    def _phase(rows, valid, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
                HAS_RESET: tl.constexpr):
         """tanh(angle) (C, NH) (0 for the pairs j >= S, which therefore never turn) and the phases:
         the carry from the chunks before plus the running sum of theta dt = pi tanh(angle) dt inside
-        the chunk, both restarting at a reset (with resets the running sum is a product with `same`,
-        the one-segment mask)."""
+        the chunk, both restarting at a reset (with resets a segmented scan, _seg_cumsum)."""
         mask = valid[:, None] & (j < S)[None, :]
         th = _tanh(tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC))
         v = (_PI * th) * dt[:, None]
         if HAS_RESET:
-            Phi = _dot(same.to(ACC), v, ACC)
+            Phi = _seg_cumsum(v, seg, False)
         else:
             Phi = tl.cumsum(v, 0)
         return th, Phi + tl.where((seg == 0)[:, None], carry[None, :], 0.0)
+
+    @triton.jit
+    def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
+        # the running sum of v (C, NH) along the tokens inside each segment (seg (C,), the resets
+        # counted so far: non-decreasing), forwards (j <= i) or backwards (j >= i): a scan of
+        # (segment, sum) pairs, in float32 as tl.cumsum is. (A product with the one-segment mask,
+        # as it was, is a float32 dot: on FMA units, and it spilled the backward.)
+        segs = tl.broadcast_to(seg[:, None], v.shape)
+        if REVERSE:
+            return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
+        return tl.associative_scan((segs, v), 0, _last_segment)[1]
+
+    @triton.jit
+    def _last_segment(s1, v1, s2, v2):
+        # two ranges of tokens as (the segment their last token is in, the sum over their tokens
+        # in that segment): seg never decreases, so the later segment is the larger number.
+        # Commutative and associative: the scan may combine in any order
+        s = tl.maximum(s1, s2)
+        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
+
+    @triton.jit
+    def _first_segment(s1, v1, s2, v2):
+        # the same for a backward scan: the segment of the ranges' first token
+        s = tl.minimum(s1, s2)
+        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
@@ -706,13 +733,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         col_ang = 2 * H * P + 2 * G * N + 3 * H
         col_B = 2 * H * P + (h // (H // G)) * N  # the head's group's B; its C is G*N columns later
         for c in range(nc):
-            t, valid, rows, seg = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
+            t, valid, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
                                                 HAS_RESET)
             sc = _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H, G, P, N, ACC)
             # the phases, and from them k and q (in DT: from here on they only feed dots)
             tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
-            same = _one_segment(seg, i)
-            _, Phi = _phase(rows, valid, col_ang, S, j, sc.dt, seg, same, carry, ACC, HAS_RESET)
+            _, Phi = _phase(rows, valid, col_ang, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the next chunk's, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
@@ -726,7 +752,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             Kwe, Kwo = (Ke * sc.w[:, None]).to(DT), (Ko * sc.w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
             # the scan (in the scaled form of _scaled_weights), the D skip and the gate
-            decay, e, f, a = _decays(sc.cs, seg, i, C)
+            decay, e, f, a = _decays(sc.cs, seg, start, i, C)
             xz = rows[:, None] + h * P + p[None, :]
             xz_mask = _in_bounds(valid, p, P, PP)
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
@@ -780,14 +806,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         width = 2 * N + S  # of a row of part
         for r in range(nc):
             c = nc - 1 - r
-            t, valid, rows, seg = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
+            t, valid, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
                                                 HAS_RESET)
             sc = _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H, G, P, N, ACC)
             w = sc.w
-            same = _one_segment(seg, i)
             carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
-            th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, sc.dt, seg, same, carry, ACC,
-                             HAS_RESET)
+            th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
             Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)
             be, bo = _pairs(Bb_ptr + h * N, j, N, ACC)
@@ -807,7 +831,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             row = ((bh * nc + c) * PP).to(tl.int32)
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
-            decay, e, f, a = _decays(sc.cs, seg, i, C)
+            decay, e, f, a = _decays(sc.cs, seg, start, i, C)
             M = _scaled_weights(decay, sc.gamma, w, i)
             scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
             QS = _dot(Qe, tl.trans(Se), DT) + _dot(Qo, tl.trans(So), DT)
@@ -871,7 +895,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # dv_j = the sum of dPhi_i over i >= j in j's segment (v = theta dt is what they add up)
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
-                dv = _dot(tl.trans(same.to(ACC)), dPhi, ACC)
+                dv = _seg_cumsum(dPhi, seg, True)
             else:
                 dv = tl.cumsum(dPhi, 0, reverse=True)
             dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
