@@ -481,9 +481,11 @@ def finish_moves(out, step=None):
         return text, [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
 
     metrics, aside = out / "metrics.jsonl", None
-    for stage in sorted(out.glob(".*.moving")):
+    for stage in sorted(p for p in out.glob(".*.moving") if p.name.startswith((".abandoned-",
+                                                                               ".previous-"))):
         if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
-            shutil.rmtree(stage)
+            (stage / ".journal.json.tmp").unlink(missing_ok=True)
+            stage.rmdir()
             continue
         job = json.loads((stage / "journal.json").read_text())
         for name in [n for n in job["files"] if (out / n).exists()]:
@@ -564,6 +566,9 @@ def resume(cfg, model, optimizer, batches, log):
             f"aside into {aside}[/yellow]")
     if step is not None:
         log(f"resumed from {out} step {step}", kind="event", event="resume", step=step)
+    if step == cfg.max_steps and not cfg.dry_run:  # (said before the header, which then follows)
+        log(f"{out} is at step {step} of --max-steps {step} already: nothing to do (raise "
+            f"--max-steps to train on)")
     if writes:  # the directory is this run's now: its config, and its tokenizer for sample.py
         write(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         if (spec := batches.sources[0].tokenizer) and spec.get("name") == "file":
@@ -635,9 +640,6 @@ def run(cfg, init, tmp, cleanup):
     log = Log(cfg, rank)
     meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
     step, skipped = meta["step"], meta["skipped_steps"]
-    if step >= cfg.max_steps and not cfg.dry_run:
-        log(f"{out} is at step {step} of --max-steps {cfg.max_steps} already: nothing to do (raise "
-            f"--max-steps to train on)")
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     header(log, cfg, raw_model, batches, val)
