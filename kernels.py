@@ -52,6 +52,7 @@ import collections
 import math
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -472,26 +473,35 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     _Scalars = collections.namedtuple("_Scalars", "dt dsp lam dt_n dsp_n lam_n fA dfA A gamma w cs")
 
     @triton.jit
-    def _dot(a, b, DT: tl.constexpr):
-        # one explicit operand dtype per product, float32 accumulation (float64 for float64
-        # operands); "ieee" so that float32 operands are not rounded to tf32 on GPUs
+    def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+        # a product's operands in its one dtype DT. PREC is the product's input precision: "ieee",
+        # or "tf32" for float32 operands (tensor cores, which read 10 of float32's 23 mantissa bits).
+        # The interpreter multiplies in numpy, so what a GPU does is done here: bf16 operands go to
+        # float32 (numpy would multiply bf16 bit patterns), tf32 operands lose their last 13
+        # mantissa bits (what the hardware ignores: cut, the larger error, not rounded)
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
-            # the interpreter would multiply bf16 bit patterns; the same bf16-rounded operands in
-            # float32 give exactly what a GPU's bf16 dot with float32 accumulation gives
             a, b = a.to(tl.float32), b.to(tl.float32)
-        return tl.dot(a, b, input_precision="ieee")
+        if _INTERPRETED and PREC == "tf32":
+            cut = 0xFFFFE000
+            a = (a.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
+            b = (b.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
+        return a, b
 
     @triton.jit
-    def _dot_acc(a, b, acc, DT: tl.constexpr):
+    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+        # a b in float32 (float64 for float64 operands)
+        a, b = _operands(a, b, DT, PREC)
+        return tl.dot(a, b, input_precision=PREC)
+
+    @triton.jit
+    def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
         # acc + a b, as _dot. An explicit accumulator where it is not itself a product: a product's
         # result added to a zero-accumulator dot becomes that dot's accumulator, and a product that
         # feeds another product gets the costlier layout on GPUs (see _scaled_weights). out_dtype
         # because Triton 3.6 would take float32 for granted.
-        a, b = a.to(DT), b.to(DT)
-        if _INTERPRETED and DT == tl.bfloat16:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+        a, b = _operands(a, b, DT, PREC)
+        return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     @triton.jit
     def _last(v, i, C: tl.constexpr):
@@ -714,7 +724,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor, eps,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                    S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr,
-                   DT: tl.constexpr, ACC: tl.constexpr, HAS_RESET: tl.constexpr):
+                   DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+                   HAS_RESET: tl.constexpr):
         """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of
         in_proj's output zxbcdt (B, L, 2HP + 2GN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's B
         and C; the angles), the parameters and reset (B, L) if any; computes dt, A, the trapezoid,
@@ -759,11 +770,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             row = ((bh * nc + c) * PP).to(tl.int32)
             states.store([row, 0], Se.to(DT))
             states.store([row, NH], So.to(DT))
-            scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
-            QS = _dot(Qe, tl.trans(Se.to(DT)), DT) + _dot(Qo, tl.trans(So.to(DT)), DT)
-            Y = _dot(_scaled_weights(decay, sc.gamma, sc.w, i) * scores, X, DT) + e[:, None] * QS
+            scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
+            QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
+            Y = _dot(_scaled_weights(decay, sc.gamma, sc.w, i) * scores, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
-            Se, So = a * Se + _dot(Xf, Kwe, DT), a * So + _dot(Xf, Kwo, DT)
+            Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             out = (Y + D * X.to(ACC)) * Z * tl.sigmoid(Z)
             tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
@@ -775,7 +786,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    dparam_ptr, L, nc, A_floor, eps,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                    S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr,
-                   DT: tl.constexpr, ACC: tl.constexpr, HAS_RESET: tl.constexpr):
+                   DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+                   HAS_RESET: tl.constexpr):
         """The mixer region backward, one program per (b, h) walking the chunks in reverse with G
         (the gradient of the state leaving the chunk, as even and odd dims) and the phase carry's
         gradient on chip. Reads what _mixer_fwd read, the saved states and phase carries, and dout
@@ -833,10 +845,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
             decay, e, f, a = _decays(sc.cs, seg, start, i, C)
             M = _scaled_weights(decay, sc.gamma, w, i)
-            scores = _dot(Qe, tl.trans(Kwe), DT) + _dot(Qo, tl.trans(Kwo), DT)
-            QS = _dot(Qe, tl.trans(Se), DT) + _dot(Qo, tl.trans(So), DT)
+            scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
+            QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
-            Y = _dot_acc(MS, X, D * X.to(ACC), DT) + e[:, None] * QS  # with the D skip
+            Y = _dot_acc(MS, X, D * X.to(ACC), DT, PREC) + e[:, None] * QS  # with the D skip
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :],
                            mask=xz_mask, other=0.0).to(ACC)
@@ -855,11 +867,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             tl.store(prow + 4 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
             # the scan's gradients, one product at a time
-            KGt = _dot(Kwe, tl.trans(Ge), DT) + _dot(Kwo, tl.trans(Go), DT)  # (C, P)
+            KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT) + f[:, None] * KGt  # and the D skip's share
+            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt  # and the D skip's share
             tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
-            dM = _dot(dY, tl.trans(X), DT)
+            dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
             R = tl.where(i[None, :] < i[:, None], dM * MS, 0.0)
             col = tl.sum(R, axis=0)
@@ -869,8 +881,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * GS, 0.0)
             # k: its phase gradient, and this head's share of dB (the group's heads share B)
             dMMt = tl.trans(dMM.to(DT))
-            dKe = _dot(dMMt, Qe, DT) + f[:, None] * _dot(X, Ge, DT)
-            dKo = _dot(dMMt, Qo, DT) + f[:, None] * _dot(X, Go, DT)
+            dKe = _dot(dMMt, Qe, DT, PREC) + f[:, None] * _dot(X, Ge, DT, PREC)
+            dKo = _dot(dMMt, Qo, DT, PREC) + f[:, None] * _dot(X, Go, DT, PREC)
             dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
             Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
@@ -881,10 +893,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             nm = _in_bounds(valid, j, N // 2, NH)
             _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
             # q likewise, and the state's gradient for the chunk before
-            dQe = _dot(dMM.to(DT), Kwe, DT) + e[:, None] * _dot(dY, Se, DT)
-            dQo = _dot(dMM.to(DT), Kwo, DT) + e[:, None] * _dot(dY, So, DT)
+            dQe = _dot(dMM.to(DT), Kwe, DT, PREC) + e[:, None] * _dot(dY, Se, DT, PREC)
+            dQo = _dot(dMM.to(DT), Kwo, DT, PREC) + e[:, None] * _dot(dY, So, DT, PREC)
             dYe = tl.trans((dY * e[:, None]).to(DT))
-            Ge, Go = a * Ge + _dot(dYe, Qe, DT), a * Go + _dot(dYe, Qo, DT)
+            Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
             dPhi += _turn_rate(dQe, dQo, Qe, Qo)
             Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
             dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
@@ -971,28 +983,55 @@ def _pow2(d, least=16):
     return max(least, 1 << (d - 1).bit_length())
 
 
-def _mixer_tiles(C, P, N, dot_dtype, acc_dtype):
-    """The compile-time constants of a mixer launch: the tiles PP >= P and NH >= N / 2 (the kernels
-    hold q, k and the state as their even and odd dims), the two dtypes, warps and stages. One
-    program holds a (P, N) float32 state (32 KB at 64 x 128, 32 registers a thread at 8 warps)
-    plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers are what limits these kernels:
-    8 warps spread the tiles over 256 threads, and num_stages=1 keeps the compiler from holding the
-    next chunks' loads in flight (prefetching, with one program per SM either way, cost more
-    spilled registers than it hid latency). Smaller tiles need fewer warps."""
-    PP = _pow2(P)
-    return dict(C=C, PP=PP, NH=_pow2(N // 2), DT=_TL_DTYPE[dot_dtype], ACC=_TL_DTYPE[acc_dtype],
-                num_warps=8 if C * max(PP, _pow2(N)) >= 64 * 64 else 4, num_stages=1)
+def _mixer_tiles(chunk_size, P, N, dtype):
+    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the kernels' chunk C, the
+    tiles PP >= P and NH >= N / 2 (the kernels hold q, k and the state as their even and odd dims),
+    the dot operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC.
+    float32 operands take tf32 products on tensor cores (in true float32 the products run on FMA
+    units: the backward spilled 19 KB a thread on sm_90, 92 KB at ptxas' own register count, and
+    took minutes to compile) and chunks of at most 32 (at 64 the float32 backward asks 128 KB of
+    shared memory on sm_8x, more than sm_86 and sm_89 have, and 224 KB on sm_90). The chunk is the
+    kernels' own: the chunked algebra is exact for any chunk, only the rounding differs."""
+    C = min(chunk_size, 32) if dtype == torch.float32 else chunk_size
+    acc = _compute_dtype(torch.empty(0, dtype=dtype))
+    return dict(C=C, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
+                PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
-def _bwd_options(major):
-    """What _mixer_bwd's launch on a GPU of compute capability `major`.x changes of _mixer_tiles'
-    options. On sm_8x Triton lays out every product of a loop body with all warps along its rows,
-    16 rows a warp: at 8 warps each 64-row tile is computed and held twice, so 4 warps do the same
-    work with half the registers of an SM and spill less (9.8 KB a thread against 10.4 on sm_80, 9.1
-    on sm_86 and sm_89). ptxas -O3 would give it only 32 to 40 registers and a 41-48 KB stack:
-    capped at 255 it takes them all. On sm_90 neither helps (the cap spills 3.0 KB against 2.8, 4
-    warps 9.7; figures of Triton 3.9's offline compile)."""
-    return {"num_warps": 4, "maxnreg": 255} if major == 8 else {}
+def _launch_options(backward, major, tiles):
+    """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
+    compute capability `major`.x (0: the interpreter, where they do nothing). One program holds a
+    (P, N) float32 state (32 KB at 64 x 128, 32 registers a thread at 8 warps) plus the chunk's (C,
+    C), (C, P) and (C, N) blocks, so registers are what limits these kernels: 8 warps spread the
+    tiles over 256 threads, and num_stages=1 keeps the compiler from holding the next chunks' loads
+    in flight (prefetching, with one program per SM either way, cost more spilled registers than it
+    hid latency). Smaller tiles need fewer warps. The bf16 backward on sm_8x: Triton lays out every
+    product of a loop body with all warps along its rows, 16 rows a warp, so at 8 warps each 64-row
+    tile is computed and held twice, and 4 warps capped at 255 registers (ptxas would give them 32
+    to 40 and a 41-48 KB stack) spill less: 9.8 KB a thread against 10.4 on sm_80, 9.1 on sm_86 and
+    sm_89. On sm_90 neither helps (the cap spills 3.0 KB against 2.8, 4 warps 9.7), nor with the
+    float32 chunks of 32 on sm_8x (5.6 KB at 8 warps, 8.6 at 4). Figures of Triton 3.9's offline
+    compile (python tools/gpu_evidence.py compile)."""
+    C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
+    options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
+    if backward and major == 8 and C >= 64 and options["num_warps"] == 8:
+        options |= {"num_warps": 4, "maxnreg": 255}
+    return options
+
+
+def fused_refusal(x):
+    """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None (also for
+    CPU tensors). mixer's "auto" then takes the PyTorch path; impl="triton" refuses."""
+    if not x.is_cuda:
+        return None
+    gpu = torch.cuda.get_device_properties(x.device)
+    if x.dtype == torch.float64:
+        return ("float64: the fused backward would need 256 KB of shared memory a block, more than "
+                "any GPU has")
+    if gpu.major < 8:
+        return (f"{gpu.name} has compute capability {gpu.major}.{gpu.minor}: the fused kernels "
+                f"need 8.0 or newer (bf16 and tf32 tensor cores)")
+    return None
 
 
 def _halves(states, tiles):
@@ -1001,6 +1040,11 @@ def _halves(states, tiles):
     # more registers a thread than the descriptor's copy through shared memory (TMA on Hopper).
     PP, NH = tiles["PP"], tiles["NH"]
     return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
+
+
+def _major(x):
+    # the compute capability's major number of x's GPU (0 for CPU tensors, the interpreter)
+    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 0
 
 
 def _reset_bytes(reset):
@@ -1016,6 +1060,9 @@ def _launchable(x, what):
         needed = ".".join(map(str, TRITON_NEEDED))
         raise RuntimeError(f"{what}: impl='triton' needs Triton >= {needed} but found Triton "
                            f"{triton.__version__}; upgrade it, or {torch_path}")
+    why = fused_refusal(x)
+    if why:
+        raise RuntimeError(f"{what}: impl='triton' cannot run here: {why}; {torch_path}")
     if not x.is_cuda and not _INTERPRETED:
         raise RuntimeError(f"{what}: impl='triton' on CPU tensors runs only through Triton's "
                            f"interpreter: set TRITON_INTERPRET=1 before triton is imported, or "
@@ -1048,9 +1095,9 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
     ones, phase (B*H, nc, S))."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
-    nc = -(-L // C)
-    acc = _compute_dtype(zxbcdt)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, acc)
+    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
+    nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
+    options = _launch_options(False, _major(zxbcdt), tiles)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
@@ -1060,7 +1107,7 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, out, out.stride(0), out.stride(1),
                                _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
-                               N=N, S=S, HAS_RESET=reset is not None, **tiles)
+                               N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
     return out, states, phase
 
 
@@ -1069,11 +1116,9 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
     d B_bias, d C_bias, d D); the parameters' per-(b, h, chunk) sums are added up here."""
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
-    nc = -(-L // C)
-    acc = _compute_dtype(zxbcdt)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, acc)
-    major = torch.cuda.get_device_capability(zxbcdt.device)[0] if zxbcdt.is_cuda else 0
-    tiles |= _bwd_options(major)
+    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
+    nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
+    options = _launch_options(True, _major(zxbcdt), tiles)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
@@ -1085,7 +1130,7 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                C_bias.contiguous(), D, dout, dout.stride(0), dout.stride(1),
                                _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
                                part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles)
+                               HAS_RESET=reset is not None, **tiles, **options)
         TB = 32
         _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G,
                                              P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
@@ -1117,9 +1162,10 @@ if triton is not None:
           n_angles, chunk_size, A_floor, eps):
         Bsz, L, _ = zxbcdt.shape
         H, N = B_bias.shape
-        nc = -(-L // chunk_size)
+        tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype)
+        nc = -(-L // tiles["C"])
         return (zxbcdt.new_empty(Bsz, L, H * headdim),
-                zxbcdt.new_empty(Bsz * H, nc, _pow2(headdim), 2 * _pow2(N // 2)),
+                zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
                 zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
 
     @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
@@ -1222,14 +1268,18 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     variable MAMBA3_IMPL overrides "auto" (handy to A/B the paths without touching code). The fused
     kernels take no decoding state, so with one (Phi, S, k_prev, x_prev), prefill or a decode step,
     "triton" runs mixer_torch with the chunked scan (exact: a float32 state) and the state after
-    the last token comes back (None without). The fused kernels are SISO: with mimo (see
-    mixer_torch) "auto" takes the torch path, and an explicit "triton" is refused."""
+    the last token comes back (None without). Where the fused kernels cannot run (a MIMO layer: they
+    are SISO; float64 on a GPU, a GPU older than compute capability 8.0: fused_refusal), "auto" takes
+    the PyTorch path (with a warning for the last two), and "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
     if mimo is not None and impl == "triton":
         if asked == "triton":
             raise ValueError(f"mixer: the fused Triton kernels are SISO only, and this layer has "
                              f"MIMO rank {mimo[0].shape[1]}; use impl='torch' (MAMBA3_IMPL=torch)")
+        impl = "torch"
+    if impl == "triton" and asked is None and fused_refusal(zxbcdt):
+        _note_fallback(fused_refusal(zxbcdt))
         impl = "torch"
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
@@ -1238,6 +1288,13 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
         return mixer_triton(zxbcdt, *params, **kw), None
     scan = "torch" if impl == "triton" else impl
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
+
+
+def _note_fallback(why):
+    # one line, the first time (a warning inside a torch.compile trace would break the graph)
+    if not torch.compiler.is_compiling():
+        warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
+                      f"without this note)", stacklevel=3)
 
 
 def _check_shapes(x, q, k, log_a, gamma, beta):

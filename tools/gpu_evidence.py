@@ -1,6 +1,8 @@
 """What mamba3-lite's GPU path does, shown on a machine without a GPU.
 
     python tools/gpu_evidence.py compile   # each Triton kernel of a layer, compiled for sm_80, sm_90
+    python tools/gpu_evidence.py compile --arch sm_80 --arch sm_89 --arch sm_90 --dtype bf16 \
+        --dtype fp32 --resets --triton-path /tmp/triton36   # every config, under two Tritons
     python tools/gpu_evidence.py traffic   # the bytes the fused mixer region moves, vs the minimum
 
 With --official DIR (a checkout of state-spaces/mamba), the official Mamba-3 kernels are shown
@@ -53,12 +55,13 @@ Official = typer.Option(None, exists=True, file_okay=False,
                         help="A checkout of state-spaces/mamba: its Mamba-3 SISO layer's kernels too.")
 
 
-def layer_config(heads: int):
-    """The 440m preset's mixer with `heads` heads (d_model follows; P, N, C, the groups and angles
-    unchanged). The in_proj row, every kernel's token stride, is a multiple of 16 elements exactly
-    when heads is, as at 440m's 32: the JIT specializes on that, so 16 heads compile the same."""
+def layer_config(heads: int, ngroups: int = 1):
+    """The 440m preset's mixer with `heads` heads and `ngroups` groups (d_model follows; P, N, C and
+    the angles unchanged). The in_proj row, every kernel's token stride, is a multiple of 16
+    elements exactly when heads is, as at 440m's 32: the JIT specializes on that, so 16 heads
+    compile the same, and 24 (the 180m preset's) without that specialization."""
     cfg = PRESETS["440m"]
-    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand)
+    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand, ngroups=ngroups)
 
 
 @contextlib.contextmanager
@@ -331,6 +334,7 @@ def traffic(
 
 ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_100": 100, "sm_120": 120}
 Arch = enum.Enum("Arch", {name: name for name in ARCHS}, type=str)
+DTypes = enum.Enum("DTypes", {name: name for name in TORCH_DTYPE}, type=str)  # (repeatable: an Enum)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are not constexprs
 
 
@@ -382,19 +386,27 @@ def recording_launches():
         yield launches
 
 
-def capture_launches(batch_size=1, seq_len=128, heads=32, dtype="bf16") -> list:
-    """Every distinct Triton kernel launch of one mixer layer (layer_config(heads)), forward and
-    backward, on the Triton path under autocast to dtype (none for fp32), as train.py runs it."""
+def capture_launches(batch_size=1, seq_len=128, heads=32, dtype="bf16", resets=False,
+                     ngroups=1) -> list:
+    """Every distinct Triton kernel launch of one mixer layer (layer_config(heads, ngroups)),
+    forward and backward, on the Triton path under autocast to dtype (none for fp32), as train.py
+    runs it; with resets, documents start every 50 tokens (as train.py --reset-at-eos marks them).
+    Each launch is labelled with its config ("bf16", "bf16+resets", ...)."""
     torch.manual_seed(0)
-    cfg = layer_config(heads)
+    cfg = layer_config(heads, ngroups)
     mixer = Mamba3Mixer(cfg)
     u = torch.randn(batch_size, seq_len, cfg.d_model, requires_grad=True)
+    reset = None
+    if resets:
+        reset = torch.zeros(batch_size, seq_len, dtype=torch.bool)
+        reset[:, 5::50] = True
     with recording_launches() as launches, scan_impl("triton"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CPU autocast's notes on mixed-dtype rms_norm
         with torch.autocast("cpu", dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
-            y = mixer(u)
+            y = mixer(u, reset=reset)
         y.backward(torch.randn_like(y))
-    return launches
+    config = dtype + ("+resets" if resets else "")
+    return [dict(launch, config=config) for launch in launches]
 
 
 def capture_official_launches(src: str, batch_size=1, seq_len=128, heads=32, dtype="bf16") -> list:
@@ -455,11 +467,14 @@ def jit_function(module: str, name: str):
 def compile_one(launch: dict, arch: int) -> tuple:
     """(binary's hash, figures) of one launch compiled for compute capability arch: registers and
     spill bytes as ptxas -v reported them while Triton built the cubin, shared memory from the
-    kernel's metadata, whether its Triton IR has a tl.dot and its SASS's wgmma (HGMMA) count."""
+    kernel's metadata, whether its Triton IR has a tl.dot, its SASS's wgmma (HGMMA) count, and the
+    seconds the compile took."""
     args = [stand_in(a) for a in launch["args"]]
     kwargs = {k: stand_in(v) for k, v in launch["kwargs"].items()}
+    t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()) as log:
         kernel = jit_function(launch["module"], launch["name"]).warmup(*args, grid=(1,), **kwargs)
+    seconds = time.perf_counter() - t0
     registers = re.search(r"Used (\d+) registers", log.getvalue())
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
     if not (registers and spills):
@@ -469,14 +484,15 @@ def compile_one(launch: dict, arch: int) -> tuple:
     return kernel.hash, dict(registers=int(registers[1]), spill_stores=int(spills[1]),
                              spill_loads=int(spills[2]), shared=meta.shared, num_warps=meta.num_warps,
                              num_stages=meta.num_stages, dot="tt.dot" in kernel.asm["ttir"],
-                             wgmma=kernel.asm["sass"].count("HGMMA"))
+                             wgmma=kernel.asm["sass"].count("HGMMA"), seconds=round(seconds, 1))
 
 
 def compile_launches(launches: list, archs: list, official: Optional[str] = None) -> list:
     """Each launch (capture_launches' output) compiled for each compute capability in archs (80 is
-    sm_80): a row per distinct binary (compile_one's figures, or the error). Needs a process whose
-    Triton is not interpreted, and leaves Triton's active driver answering for the last target: run
-    it in a process of its own (run_isolated). No GPU needed."""
+    sm_80), the mixer kernels with the launch options kernels.py gives them on that GPU: a row per
+    distinct binary (compile_one's figures, or the error), with this Triton's version. Needs a
+    process whose Triton is not interpreted, and leaves Triton's active driver answering for the
+    last target: run it in a process of its own (run_isolated). No GPU needed."""
     from triton.backends.compiler import GPUTarget
 
     if triton.knobs.runtime.interpret:
@@ -496,11 +512,15 @@ def compile_launches(launches: list, archs: list, official: Optional[str] = None
                 get_current_stream=lambda device: 0))
             for i, launch in enumerate(launches):
                 constexprs = {k: v for k, v in launch["kwargs"].items() if k not in LAUNCH_OPTIONS}
-                if launch["name"] == "_mixer_bwd":  # what kernels.py adds on a GPU of this arch
-                    options = K._bwd_options(arch // 10)
-                    launch = dict(launch, kwargs=launch["kwargs"] | options)
-                    constexprs |= options
-                row = {"launch": i, "arch": arch, "kernel": launch["name"], "constexprs": constexprs}
+                if launch["name"] in ("_mixer_fwd", "_mixer_bwd"):  # kernels.py's, on this arch
+                    options = K._launch_options(launch["name"] == "_mixer_bwd", arch // 10,
+                                                constexprs)
+                    kwargs = {k: v for k, v in launch["kwargs"].items()
+                              if k not in (*LAUNCH_OPTIONS, "maxnreg")}
+                    launch = dict(launch, kwargs=kwargs | options)
+                row = {"launch": i, "arch": arch, "kernel": launch["name"], "constexprs": constexprs,
+                       "config": launch.get("config", ""), "triton": triton.__version__,
+                       "maxnreg": launch["kwargs"].get("maxnreg")}
                 try:
                     binary, figures = compile_one(launch, arch)
                     if (arch, binary) not in seen:  # the same specialization again: the same binary
@@ -511,16 +531,21 @@ def compile_launches(launches: list, archs: list, official: Optional[str] = None
     return rows
 
 
-def run_isolated(function: str, interpret: bool, timeout: Optional[float] = None, **kwargs):
+def run_isolated(function: str, interpret: bool, timeout: Optional[float] = None,
+                 triton_path: Optional[str] = None, **kwargs):
     """gpu_evidence.<function>(**kwargs) in a fresh Python whose Triton is interpreted or not (the
-    choice is made when triton is first imported, so it takes a process of its own); arguments and
-    result travel as JSON."""
+    choice is made when triton is first imported, so it takes a process of its own), and is the one
+    in the directory triton_path if given (first on that process's path only); arguments and result
+    travel as JSON."""
     code = ("import contextlib, json, sys, gpu_evidence\n"
             "request = json.load(sys.stdin)\n"
             "with contextlib.redirect_stdout(sys.stderr):  # only the result goes to stdout\n"
             "    result = getattr(gpu_evidence, request['function'])(**request['kwargs'])\n"
             "json.dump(result, sys.stdout)\n")
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    if triton_path:
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_path)] + env.get("PYTHONPATH", "").split(
+            os.pathsep)).rstrip(os.pathsep)
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                           input=json.dumps({"function": function, "kwargs": kwargs}),
                           capture_output=True, text=True, timeout=timeout)
@@ -530,27 +555,29 @@ def run_isolated(function: str, interpret: bool, timeout: Optional[float] = None
 
 
 def compile_table(rows: list) -> list:
-    """compile_launches' rows as table rows, sorted by launch order then architecture. Each row also
-    gets a "label" for the summary: the kernel's name, plus the constexprs that tell its launches
-    apart if it has several."""
-    show = lambda v: v["tl"] if isinstance(v, dict) else v  # noqa: E731  (a tl dtype by its name)
-    rows.sort(key=lambda r: (r["launch"], r["arch"]))
+    """compile_launches' rows as table rows, sorted by Triton version, config, launch order and
+    architecture. Each row also gets a "label" for the summary: kernel, config and Triton. The
+    config column adds the kernels' chunk C and the products' precision where not "ieee"."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    rows.sort(key=lambda r: (r["triton"], configs.index(r["config"]), r["launch"], r["arch"]))
     table = []
     for r in rows:
-        others = [o["constexprs"] for o in rows if o["kernel"] == r["kernel"]]
-        r["label"] = " ".join([r["kernel"]] + [f"{k}={show(v)}" for k, v in r["constexprs"].items()
-                                               if any(o.get(k) != v for o in others)])
-        row = [r["kernel"], " ".join(f"{k}={show(v)}" for k, v in r["constexprs"].items()),
-               f"sm_{r['arch']}"]
+        r["label"] = f"{r['kernel']} ({r['config']}, triton {r['triton']})"
+        c = r["constexprs"]
+        config = " ".join([r["config"]] + ([f"C={c['C']}"] if "C" in c else [])
+                          + ([c["PREC"]] if c.get("PREC", "ieee") != "ieee" else []))
+        row = [r["triton"], config, r["kernel"], f"sm_{r['arch']}"]
         if "error" in r:
-            table.append(row + ["[red]failed[/red]", r["error"].splitlines()[0], "", "", ""])
+            table.append(row + ["[red]failed[/red]", r["error"].splitlines()[0], "", "", "", ""])
             continue
         spills = f"{r['spill_stores']} / {r['spill_loads']}"
         wgmma = ("-" if r["arch"] != 90 or not r["dot"] else
                  f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "[red]no[/red]")
-        table.append(row + [f"{r['num_warps']} / {r['num_stages']}", r["registers"],
+        maxnreg = r.get("maxnreg") or c.get("maxnreg")
+        launch = f"{r['num_warps']} / {r['num_stages']}" + (f" / {maxnreg}" if maxnreg else "")
+        table.append(row + [launch, r["registers"],
                             spills if spills == "0 / 0" else f"[red]{spills}[/red]",
-                            f"{r['shared'] / 1024:.1f}", wgmma])
+                            f"{r['shared'] / 1024:.1f}", wgmma, r["seconds"]])
     return table
 
 
@@ -569,13 +596,23 @@ def official_table(rows: list) -> list:
             for (kernel, arch), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
 
+# the shared memory a block may have (opt-in), KiB, by architecture: what a binary must fit
+SHARED_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
+
+
 def summary(rows: list) -> list:
     """The lines under the compile table: whether the targets are met, and where not."""
-    spilled = [f"{r['label']} on sm_{r['arch']}" for r in rows
-               if r.get("spill_stores") or r.get("spill_loads")]
-    lines = ["target, no spills on any architecture: "
-             + (f"NOT met ({', '.join(spilled)})" if spilled else "met")]
-    dots = [r for r in rows if r["arch"] == 90 and r.get("dot")]
+    ok = [r for r in rows if "error" not in r]
+    spilled = sorted((r for r in ok if r["spill_stores"] or r["spill_loads"]),
+                     key=lambda r: -r["spill_stores"])
+    worst = ", ".join(f"{r['label']} on sm_{r['arch']}: {r['spill_stores']} B" for r in spilled[:3])
+    lines = ["target, no spills on any architecture: " + (
+        f"NOT met in {len(spilled)} of {len(ok)} binaries (the most: {worst})" if spilled else "met")]
+    over = [f"{r['label']} on sm_{r['arch']} ({r['shared'] / 1024:.0f} KiB)" for r in ok
+            if r["shared"] > SHARED_KIB[r["arch"]] * 1024]
+    lines.append("target, shared memory within what a block may have (99 KiB on sm_86/sm_89, 163 "
+                 "on sm_80, 227 on sm_90): " + (f"NOT met ({', '.join(over)})" if over else "met"))
+    dots = [r for r in ok if r["arch"] == 90 and r.get("dot")]
     missing = [r["label"] for r in dots if not r["wgmma"]]
     if dots:
         lines.append("target, wgmma on sm_90: " + (f"NOT met, no HGMMA in {', '.join(missing)} "
@@ -583,7 +620,7 @@ def summary(rows: list) -> list:
                                                    "kernels with a tl.dot use it)" if missing else "met"))
     return lines + ["registers and spill bytes: ptxas -v as Triton ran it for each cubin; shared "
                     "memory: the compiled kernel's metadata; wgmma: HGMMA instructions in the cubin's "
-                    "SASS (cuobjdump)"]
+                    "SASS (cuobjdump); compile s: this machine's seconds for the binary"]
 
 
 @app.command("compile")
@@ -593,46 +630,69 @@ def compile_(
     batch_size: int = typer.Option(1, min=1, help="B of the layer run that captures the launches."),
     seq_len: int = typer.Option(128, min=1, help="L of that run (any multiple of 1024 gives "
                                 "exactly the binaries of L 2048, at eight times the capture time)."),
-    heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32; P, N and C "
-                              "are always 440m's)."),
-    dtype: DType = typer.Option("bf16", help="Autocast dtype of that run, as train.py --dtype "
-                                "(fp32: none)."),
+    heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32, the 180m one "
+                              "24; P, N and C are always 440m's)."),
+    ngroups: int = typer.Option(1, min=1, help="G of that run (it must divide H)."),
+    dtype: List[DTypes] = typer.Option(["bf16"], help="Autocast dtype of that run, as train.py "
+                                      "--dtype (fp32: none); repeat for several."),
+    resets: bool = typer.Option(False, "--resets", help="Each --dtype also with resets (documents "
+                                "starting inside the chunks, as with train.py --reset-at-eos)."),
+    triton_path: List[Path] = typer.Option([], exists=True, file_okay=False, help="A directory "
+                                           "holding another Triton (pip install --target DIR "
+                                           "triton==3.6.0): compile under it too, first on the "
+                                           "path of the compiling process only; repeat for "
+                                           "several."),
+    json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
+                                             help="Also write every row's figures there, as JSON."),
     official: Optional[Path] = Official,
 ):
     """Every Triton kernel a Mamba-3 layer launches, compiled for sm_80 / sm_90 on this machine: no
     GPU needed.
 
     One mixer layer with the 440m layer's widths (P 64, N 128, chunk 64) runs forward and backward
-    through Triton's interpreter on CPU tensors, which records every kernel launch; each is then
-    compiled with Triton's own compiler for each --arch exactly as launched. Reports registers,
-    spill bytes, shared memory and, on sm_90, whether the code uses wgmma. Targets: **no spills on
-    any architecture, wgmma on sm_90**. With --official, the official layer's kernels at the same
-    widths, each in every config its autotuner has with num_stages 1, the one that spills least
-    shown."""
+    through Triton's interpreter on CPU tensors, which records every kernel launch, once per
+    config (--dtype, --resets); each is then compiled with Triton's own compiler for each --arch
+    exactly as kernels.py launches it there (its launch options per architecture), under the
+    installed Triton and each --triton-path. Reports registers, spill bytes, shared memory, on
+    sm_90 whether the code uses wgmma, and the compile's seconds. Targets: **no spills on any
+    architecture, shared memory within each architecture's limit, wgmma on sm_90**. With
+    --official, the official layer's kernels at the same widths, each in every config its
+    autotuner has with num_stages 1, the one that spills least shown."""
     with cli_errors(ValueError):
         if "nvidia" not in triton.backends.backends:
             raise ValueError(f"this Triton build ({triton.__version__}) has no NVIDIA backend to "
                              "compile with")
         check_official(official)
-    archs, run = [ARCHS[a.value] for a in arch], dict(batch_size=batch_size, seq_len=seq_len,
-                                                      heads=heads, dtype=dtype)
+        if heads % ngroups:
+            raise ValueError(f"--ngroups {ngroups} must divide --heads {heads}")
+    archs = [ARCHS[a.value] for a in arch]
+    run = dict(batch_size=batch_size, seq_len=seq_len, heads=heads)
     t0 = time.perf_counter()
-    launches = run_isolated("capture_launches", True, **run)
+    launches = [launch for d in dict.fromkeys(d.value for d in dtype) for r in ([False, True] if resets else [False])
+                for launch in run_isolated("capture_launches", True, dtype=d, resets=r,
+                                           ngroups=ngroups, **run)]
     t1 = time.perf_counter()
-    rows = run_isolated("compile_launches", False, launches=launches, archs=archs)
+    rows = []
+    for path in [None] + [str(p) for p in triton_path]:
+        rows += run_isolated("compile_launches", False, triton_path=path, launches=launches,
+                             archs=archs)
     t2 = time.perf_counter()
-    cfg = layer_config(heads)
-    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}, "
-                f"{dtype}; launches captured at B{batch_size} L{seq_len} H{heads}), compiled offline",
-                ["kernel", "constexprs", "arch", "warps / stages", "registers", "spill st / ld bytes",
-                 "shared KiB", "wgmma"], compile_table(rows))
+    cfg = layer_config(heads, ngroups)
+    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} G{ngroups}, "
+                f"chunk {cfg.chunk_size}; launches captured at B{batch_size} L{seq_len} H{heads}), "
+                "compiled offline", ["triton", "config", "kernel", "arch", "warps / stages / maxnreg",
+                                     "registers", "spill st / ld bytes", "shared KiB", "wgmma",
+                                     "compile s"], compile_table(rows))
     console.print(f"{len(launches)} distinct launches captured in {t1 - t0:.0f} s, compiled in "
                   f"{t2 - t1:.0f} s")
     for line in summary(rows):
         console.print(line)
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=1) + "\n")
     failed = [r for r in rows if "error" in r]
     if official:
-        launches = run_isolated("capture_official_launches", True, src=str(official), **run)
+        launches = run_isolated("capture_official_launches", True, src=str(official),
+                                dtype=dtype[0].value, **run)
         theirs = run_isolated("compile_launches", False, launches=launches, archs=archs,
                               official=str(official))
         failed += [r for r in theirs if "error" in r]
@@ -641,7 +701,8 @@ def compile_(
                                                            "maxnreg", "registers",
                                                            "spill st / ld bytes", "wgmma"],
                     official_table(theirs))
-    console.print(f"machine: {machine()}, triton {triton.__version__}, no GPU used")
+    versions = ", ".join(dict.fromkeys(r["triton"] for r in rows))
+    console.print(f"machine: {machine()}, triton {versions}, no GPU used")
     if failed:
         raise typer.Exit(1)
 
