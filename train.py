@@ -238,7 +238,8 @@ def check_memory(cfg, config):
     def need(batch, recompute):  # bytes: the parameters' state, and one micro-batch's activations
         layers = ACT_BYTES + RECOMPUTED_BYTES * config.n_layer if recompute else ACT_BYTES * config.n_layer
         per_token = LOGIT_BYTES * config.padded_vocab + config.d_model * layers
-        return ranks * PARAM_BYTES * params, ranks * batch * cfg.seq_len * per_token
+        shards = world if cfg.fsdp else 1  # FSDP keeps 1/world of the state on each rank
+        return ranks * PARAM_BYTES * params // shards, ranks * batch * cfg.seq_len * per_token
 
     free, (fixed, act) = free_memory(cfg.device), need(cfg.batch_size, cfg.grad_checkpointing)
     if free is None or fixed + act <= free:
