@@ -382,9 +382,10 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # chunk masked. Tiles are padded to powers of 2, at least 16 for tl.dot: PP >= P, and N is held as
 # its even and odd dims, two tiles of NH >= N / 2 (see _qk). Two dtypes, both tl.constexpr: DT, the
 # one operand dtype of every tl.dot (zxbcdt's: bf16, fp16 or fp32), and ACC, the dtype of cumsums,
-# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests). The
-# model's sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is
-# compiled once per model shape.
+# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests), and
+# PREC, the products' input precision (tf32 for float32 operands: see _mixer_tiles). The model's
+# sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is compiled once
+# per model shape.
 
 try:
     import triton
@@ -429,7 +430,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
         # a product's operands in its one dtype DT. PREC is the product's input precision: "ieee",
-        # or "tf32" for float32 operands (tensor cores, which read 10 of float32's 23 mantissa bits).
+        # or "tf32" for float32 operands (tensor cores, reading 10 of float32's 23 mantissa bits).
         # The interpreter multiplies in numpy, so what a GPU does is done here: bf16 operands go to
         # float32 (numpy would multiply bf16 bit patterns), tf32 operands lose their last 13
         # mantissa bits (what the hardware ignores: cut, the larger error, not rounded)
@@ -726,7 +727,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             states.store([row, NH], So.to(DT))
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
-            Y = _dot(_scaled_weights(decay, sc.gamma, sc.w, i) * scores, X, DT, PREC) + e[:, None] * QS
+            MS = _scaled_weights(decay, sc.gamma, sc.w, i) * scores
+            Y = _dot(MS, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
             Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
@@ -823,7 +825,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # the scan's gradients, one product at a time
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt  # and the D skip's share
+            # and the D skip's share
+            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
             tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
