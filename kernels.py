@@ -942,13 +942,11 @@ def _pow2(d, least=16):
 
 def _mixer_tiles(chunk_size, P, N, dtype):
     """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the kernels' chunk C, the
-    tiles PP >= P and NH >= N / 2 (the kernels hold q, k and the state as their even and odd dims),
-    the dot operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC.
-    float32 operands take tf32 products on tensor cores (in true float32 the products run on FMA
-    units: the backward spilled 19 KB a thread on sm_90, 92 KB at ptxas' own register count, and
-    took minutes to compile) and chunks of at most 32 (at 64 the float32 backward asks 128 KB of
-    shared memory on sm_8x, more than sm_86 and sm_89 have, and 224 KB on sm_90). The chunk is the
-    kernels' own: the chunked algebra is exact for any chunk, only the rounding differs."""
+    tiles PP >= P and NH >= N / 2 (q, k and the state are held as their even and odd dims), the dot
+    operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32
+    takes tf32 products (true float32 ones run on FMA units: the sm_90 backward spilled 19 KB a
+    thread and took minutes to compile) in chunks of at most 32 (at 64 the backward asks 128 KB of
+    shared memory on sm_8x, more than sm_86/sm_89 have). Any chunk gives the same algebra."""
     C = min(chunk_size, 32) if dtype == torch.float32 else chunk_size
     acc = _compute_dtype(torch.empty(0, dtype=dtype))
     return dict(C=C, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
@@ -957,28 +955,31 @@ def _mixer_tiles(chunk_size, P, N, dtype):
 
 def _launch_options(backward, major, tiles):
     """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
-    compute capability `major`.x (0: the interpreter, where they do nothing). One program holds a
-    (P, N) float32 state (32 KB at 64 x 128, 32 registers a thread at 8 warps) plus the chunk's (C,
-    C), (C, P) and (C, N) blocks, so registers are what limits these kernels: 8 warps spread the
-    tiles over 256 threads, and num_stages=1 keeps the compiler from holding the next chunks' loads
-    in flight (prefetching, with one program per SM either way, cost more spilled registers than it
-    hid latency). Smaller tiles need fewer warps. The bf16 backward on sm_8x: Triton lays out every
-    product of a loop body with all warps along its rows, 16 rows a warp, so at 8 warps each 64-row
-    tile is computed and held twice, and 4 warps capped at 255 registers (ptxas would give them 32
-    to 40 and a 41-48 KB stack) spill less: 9.8 KB a thread against 10.4 on sm_80, 9.1 on sm_86 and
-    sm_89. On sm_90 neither helps (the cap spills 3.0 KB against 2.8, 4 warps 9.7), nor with the
-    float32 chunks of 32 on sm_8x (5.6 KB at 8 warps, 8.6 at 4). Figures of Triton 3.9's offline
-    compile (python tools/gpu_evidence.py compile)."""
+    compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
+    KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
+    kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the next chunks'
+    loads from holding registers (with one program per SM, prefetching cost more spills than it
+    hid latency). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
+    stack, is capped at 255 (float32 on sm_80: 7.8 KB of spills a thread against 43 under Triton
+    3.6); at 64-token chunks also 4 warps, since Triton lays out every product with all warps along
+    its rows (16 rows a warp: at 8 warps a 64-row tile is held twice): 9.8 KB against 10.4 (Triton
+    3.9). Not on sm_90 (the cap: 3.0 KB against 2.8). Figures: tools/gpu_evidence.py compile."""
     C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
     options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
-    if backward and major == 8 and C >= 64 and options["num_warps"] == 8:
-        options |= {"num_warps": 4, "maxnreg": 255}
+    if backward and major == 8 and options["num_warps"] == 8:
+        options |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
     return options
+
+
+# The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
+# 3.9 and sm_80 to sm_90 (python tools/gpu_evidence.py compile; the forward asks less): float32
+# needs 88 under Triton 3.9 but 112 under 3.6 and 160 under 3.7, more than sm_86 and sm_89 give
+_SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
 def fused_refusal(x):
     """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None (also for
-    CPU tensors). mixer's "auto" then takes the PyTorch path; impl="triton" refuses."""
+    CPU tensors): mixer's "auto" then takes the PyTorch path, impl="triton" refuses."""
     if not x.is_cuda:
         return None
     gpu = torch.cuda.get_device_properties(x.device)
@@ -988,6 +989,11 @@ def fused_refusal(x):
     if gpu.major < 8:
         return (f"{gpu.name} has compute capability {gpu.major}.{gpu.minor}: the fused kernels "
                 f"need 8.0 or newer (bf16 and tf32 tensor cores)")
+    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
+    if has and has < _SHARED_KIB.get(x.dtype, 0):
+        dtype = str(x.dtype).removeprefix("torch.")
+        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused {dtype} "
+                f"backward may ask {_SHARED_KIB[x.dtype]} KB (bf16 autocast asks less)")
     return None
 
 
