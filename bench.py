@@ -557,8 +557,9 @@ def train_step(
 
 # Max relative error (max |a - ref| / max |ref| over a tensor) a run may show against the float32
 # torch path, for the layer's output and every gradient: bf16 keeps 8 bits of mantissa (4e-3 a
-# rounding) and a layer rounds often; fp32's products in the fused region are tf32 (11 bits).
-GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 5e-3, "gradients": 1e-2}}
+# rounding) and a layer rounds often; fp32's products in the fused region are tf32 (11 bits, cut:
+# 1e-3 a product; the interpreter's tf32 at these widths: 1.3e-3 for y, up to 5e-3 for gradients).
+GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 1e-2, "gradients": 2e-2}}
 GPU_BUDGET_S = 300  # bench.py gpu, start-up included: the GPU check must fit what a lent GPU allows
 
 
