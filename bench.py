@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -610,9 +611,12 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
 # -----------------------------------------------------------------------------
 # bench.py gpu
 
-# Max relative error (max |a - ref| / max |ref| over a tensor) a bf16 run may show, for the layer's
-# output and every gradient: bf16 keeps 8 bits of mantissa (4e-3 a rounding); a layer rounds often.
-GPU_TOLERANCE = {"y": 3e-2, "gradients": 5e-2}
+# Max relative error (max |a - ref| / max |ref| over a tensor) a run may show against the float32
+# torch path, for the layer's output and every gradient: bf16 keeps 8 bits of mantissa (4e-3 a
+# rounding) and a layer rounds often; fp32's products in the fused region are tf32 (11 bits, cut:
+# 1e-3 a product; the interpreter's tf32 at these widths: 1.3e-3 for y, up to 5e-3 for gradients).
+GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 1e-2, "gradients": 2e-2}}
+GPU_BUDGET_S = 300  # bench.py gpu, start-up included: the GPU check must fit what a lent GPU allows
 
 
 def scan_impl(impl: str):
@@ -659,32 +663,34 @@ def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict
     return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
 
 
-def layer_outputs(mixer, u, dy, impl: str, dtype: str) -> dict:
+def layer_outputs(mixer, u, dy, impl: str, dtype: str, reset=None) -> dict:
     """The layer's output y and the gradients of its input u and of every parameter after a forward
     and backward on scan path impl, under autocast to dtype (fp32: none), as fp32 tensors by name."""
     mixer.zero_grad(set_to_none=True)
     u = u.detach().requires_grad_()
     with scan_impl(impl):
         with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
-            y = mixer(u)
+            y = mixer(u, reset=reset)
         y.backward(dy)
     grads = {n: p.grad.float() for n, p in mixer.named_parameters()}
     return {"y": y.detach().float(), "u": u.grad.float()} | grads
 
 
-def check_layer(mixer, u, dy) -> list:
-    """Triton vs torch path in bf16, each against a fp32 torch reference: rows of (tensor, shape,
-    torch bf16 vs fp32, triton vs fp32, triton vs torch bf16, tolerance, passed)."""
-    ref = layer_outputs(mixer, u, dy, "torch", "fp32")
-    torch_bf16 = layer_outputs(mixer, u, dy, "torch", "bf16")
-    triton_bf16 = layer_outputs(mixer, u, dy, "triton", "bf16")
+def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
+    """The Triton path in dtype (bf16 autocast, or fp32: none) and, for bf16, the torch path in
+    bf16, against the float32 torch path: rows of (tensor, shape, torch vs fp32, triton vs fp32,
+    triton vs torch, tolerance, passed), the torch columns None for fp32."""
+    ref = layer_outputs(mixer, u, dy, "torch", "fp32", reset)
+    ours = layer_outputs(mixer, u, dy, "triton", dtype, reset)
+    theirs = layer_outputs(mixer, u, dy, "torch", dtype, reset) if dtype != "fp32" else None
     rows = []
     for name, r in ref.items():
-        a, b = torch_bf16[name], triton_bf16[name]
-        tol = GPU_TOLERANCE["y" if name == "y" else "gradients"]
-        errors = rel_err(a, r), rel_err(b, r), rel_err(b, a)
-        passed = bool(torch.isfinite(b).all()) and errors[1] <= tol and errors[2] <= tol
-        rows.append((name, tuple(r.shape), *errors, tol, passed))
+        tol = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"]
+        errors = [None, rel_err(ours[name], r), None]
+        if theirs:
+            errors[::2] = rel_err(theirs[name], r), rel_err(ours[name], theirs[name])
+        ok = bool(torch.isfinite(ours[name]).all()) and max(e or 0 for e in errors[1:]) <= tol
+        rows.append((name, tuple(r.shape), *errors, tol, ok))
     return rows
 
 
@@ -722,39 +728,74 @@ def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
     return time_interleaved(fns, reps, warmup=2)
 
 
-def train_runs(steps: int, total_batch_size: int):
-    """`python train.py --data synthetic --model 440m` for a few steps, torch.compile on and off, run
-    as a user runs it: a table of the last log window's tokens/s, ms/step and MFU (so after the
-    compilation and warm-up). A run that fails is a finding: shown, then the rest."""
-    table, errors = [], []
-    for compile_ in (True, False):
-        on = "on" if compile_ else "off"
-        with tempfile.TemporaryDirectory(prefix="bench-gpu-") as out:
-            cmd = [sys.executable, "train.py", "--data", "synthetic", "--model", "440m",
-                   "--max-steps", str(steps), "--total-batch-size", str(total_batch_size),
-                   "--log-every", str(max(1, steps // 3)), "--out-dir", out, "--resume", "never",
-                   "--keep-last", "1", "--compile" if compile_ else "--no-compile"]
-            env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run
-            try:
-                done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                      timeout=240)
-                error = done.returncode and (f"{' '.join(cmd[1:])} exited with {done.returncode}:\n"
-                                             f"{done.stderr[-2000:]}")
-            except subprocess.TimeoutExpired as e:
-                error = str(e)
-            if error:
-                table.append([on, "[red]failed[/red]", "", ""])
-                errors.append(error)
-                continue
-            records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-        r = [r for r in records if r.get("kind") == "train"][-1]
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
-        table.append([on, f"{r['tok_per_s']:,.0f}", f"{r['ms_per_step']:.0f}", mfu])
-    print_table(f"python train.py --data synthetic --model 440m --max-steps {steps} "
-                f"--total-batch-size {total_batch_size}: the last log window",
-                ["torch.compile", "tokens/s", "ms/step", "MFU"], table)
-    for e in errors:
-        console.print(e, markup=False, highlight=False)
+def train_child(steps: int, accum: int):
+    """bench.py gpu's training run, in a process of its own started first, so that torch.compile's
+    minutes overlap the layer checks: the 440m preset on random tokens, compiled, `accum` micro
+    batches of its recipe (8 x 2048) a step. Says "BENCH {json}" lines: {"ready": s} after two
+    untimed steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps`
+    timed ones."""
+    import train as trainer
+
+    torch.manual_seed(0)
+    B, L, vocab = trainer.RECIPES["440m"]["batch_size"], trainer.RECIPES["440m"]["seq_len"], 50257
+    lm = Mamba3LM(dataclasses.replace(PRESETS["440m"], vocab_size=vocab)).cuda()
+    opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    model, autocast = torch.compile(lm), torch.autocast("cuda", dtype=torch.bfloat16)
+    tokens = torch.randint(0, vocab, (B, L + 1), device="cuda")
+
+    def step():
+        for _ in range(accum):
+            trainer.micro_step(model, tokens[:, :-1], tokens[:, 1:], autocast).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    say = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    for _ in range(2):  # compilation, allocation
+        step()
+    sync()
+    say(ready=time.perf_counter() - t0)
+    sys.stdin.readline()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    dt, peak = (time.perf_counter() - t0) / steps, peak_flops(torch.cuda.get_device_name())
+    say(steps=steps, tokens_per_step=accum * B * L, tok_per_s=accum * B * L / dt,
+        ms_per_step=dt * 1e3, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
+        mfu=lm.flops_per_token(L) * accum * B * L / dt / peak if peak else None)
+
+
+def start_train_child(steps: int, accum: int):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run
+    log = tempfile.TemporaryFile(mode="w+")
+    child = subprocess.Popen([sys.executable, "-c", f"import bench; bench.train_child({steps}, "
+                              f"{accum})"], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=log)
+    child.log = log  # its stderr, for the error report
+    return child
+
+
+def child_says(child, deadline: float, go: bool = False) -> dict:
+    """The next "BENCH" line of train_child (after telling it to go on, with go), or {"error": ...}
+    when it exits or the deadline passes first (then it is stopped)."""
+    if go:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), child.kill)
+    timer.start()
+    try:
+        for line in child.stdout:
+            if line.startswith("BENCH "):
+                return json.loads(line[6:])
+    finally:
+        timer.cancel()
+    child.kill()
+    code = child.wait()
+    child.log.seek(0)
+    why = "ran past the time budget" if code == -9 else f"exited with {code}"
+    return {"error": f"the training run {why}:\n{child.log.read()[-2000:]}"}
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
@@ -774,18 +815,32 @@ def official_on_gpu(official: Path, cfg, u, dy):
                       markup=False, highlight=False)
 
 
-def layer_times(mixer, u, dy, reps: int, official, shape: str):
+@contextlib.contextmanager
+def first_config_only():
+    """Inside, every Triton autotuner takes the first of its configs and times none (the official
+    kernels' tuners would try 234 and not finish in ten minutes)."""
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+    with mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1]):
+        yield
+
+
+def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
     """The table of time_layer's figures: each path's layer, and its region (the layer minus its
-    projections) against the HBM roofline of the region's compulsory bytes."""
+    projections) against the HBM roofline of the region's compulsory bytes. Returns the figures."""
     t = time_layer(mixer, u, dy, reps, official)
     B, L, _ = u.shape
     moved, bw = sum(region_bytes(mixer.cfg, B, L).values()), hbm_bandwidth()
-    table = []
+    table, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
+                          "hbm_bytes_per_s": bw}
     for path in ("torch", "triton") + (("official",) if official is not None else ()):
         region = t[path] - t["projections"]
-        roofline = f"{moved / bw / region:.0%}" if bw and region > 0 else "-"
+        roofline = moved / bw / region if bw and region > 0 else None
+        figures[path] = {"layer_ms": t[path] * 1e3, "region_ms": region * 1e3, "roofline": roofline,
+                         "speedup_vs_torch": t["torch"] / t[path]}
         table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}",
-                      f"{t['torch'] / t[path]:.2f}x", roofline])
+                      f"{t['torch'] / t[path]:.2f}x", f"{roofline:.0%}" if roofline else "-"])
     print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
                 ["scan path", "layer ms", "region ms (layer - projections)",
                  "layer speed-up vs torch", "region of HBM roofline"], table)
@@ -796,60 +851,124 @@ def layer_times(mixer, u, dy, reps: int, official, shape: str):
           else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
                   f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, forward + backward){at}")
+    return figures
+
+
+def print_check(rows: list, what: str):
+    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+    print_table(f"{what}: max |a - ref| / max |ref| per tensor, ref the float32 torch path",
+                ["tensor", "shape", "torch vs fp32", "triton vs fp32", "triton vs torch",
+                 "tolerance", ""],
+                [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
+                  "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+
+
+def gpu_resets(B: int, L: int):
+    # documents of ~200 tokens, starting anywhere in the chunks (as --reset-at-eos marks them)
+    reset = torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < 1 / 200
+    reset[:, 0] = False
+    return reset.cuda()
 
 
 @app.command()
 def gpu(
-    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (440m's micro batch)."),
+    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (440m's micro "
+                                   "batch)."),
     seq_len: int = typer.Option(2048, min=1, help="L of the layer checked and timed."),
     reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
-    train_steps: int = typer.Option(30, min=0, help="Steps per run of train.py; 0: no runs."),
+    train_steps: int = typer.Option(10, min=0, help="Timed steps of the 440m training run; 0: "
+                                    "none."),
     total_batch_size: int = typer.Option(
-        16384, min=1, help="Tokens per optimizer step of those runs (default: one micro batch, 8 x "
-        "2048, so that 30 steps fit the time; the preset's 524,288 would take 32 micro-steps)."),
-    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False, help="A checkout of "
-                                            "state-spaces/mamba: its Mamba-3 SISO layer is timed too."),
+        16384, min=16384, help="Tokens per optimizer step of that run, a multiple of its micro "
+        "batch 8 x 2048 (the default, so that it fits the time; the preset's 524,288 takes 32)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
+                                             help="Also write every figure there, as JSON."),
+    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False,
+                                            help="A checkout of state-spaces/mamba: a run of its own "
+                                            "that times its Mamba-3 SISO layer beside ours (its "
+                                            "autotuners take their first config), instead of the "
+                                            "checks."),
 ):
-    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; train.py's tokens/s, MFU.
+    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; a 440m training run.
 
-    Sized to finish within ten minutes. (1) One mixer layer of the 440m model (H 32, P 64, N 128,
-    chunk 64) in bf16 autocast on the Triton and on the torch path: the output and every gradient
-    (input and parameters) against a fp32 torch reference and against each other, with tolerances.
-    (2) Forward + backward time of that layer on both paths, and of the scan region alone (the layer
-    minus its two projections) as a fraction of the HBM roofline of its compulsory bytes, counted
-    from the shapes. (3) train.py on synthetic data with the 440m preset, torch.compile on and off:
-    tokens/s and MFU. With --official, (2) also times the official Mamba-3 layer of the same widths
-    on its own kernels."""
+    Sized to finish within five minutes on an H200, start-up included; the elapsed time of each part
+    is printed. (1) One mixer layer of the 440m model (H 32, P 64, N 128, chunk 64): the output and
+    every gradient (input and parameters) of the Triton path against the float32 torch path, in bf16
+    autocast without and with resets, and in fp32 (tf32 products), with tolerances. (2) Forward +
+    backward time of that layer on both paths, and of its region (the layer minus its projections)
+    as a fraction of the HBM roofline of its compulsory bytes, counted from the shapes. (3) 10 steps
+    of the 440m preset on random tokens, torch.compile on: tokens/s, MFU, peak memory (its process
+    starts first, so that its compilation overlaps (1)). With --official DIR, a run of its own: (2)
+    with the official Mamba-3 layer of the same widths beside ours, on its own kernels."""
+    t0 = time.monotonic()
     with cli_errors(ValueError):
         if not torch.cuda.is_available():
             raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here; without one, "
                              "python tools/gpu_evidence.py compile shows what a GPU's compiler "
                              "makes of the kernels")
         check_official(official)
+        if total_batch_size % 16384:
+            raise ValueError(f"--total-batch-size {total_batch_size} must be a multiple of 16384 "
+                             "(8 x 2048, one micro batch of the 440m recipe)")
     import triton
 
+    child = None
+    if train_steps and not official:  # first: its compilation overlaps the checks
+        child = start_train_child(train_steps, total_batch_size // 16384)
+    deadline = t0 + GPU_BUDGET_S - 15  # for the training run, leaving the time to report
     torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
     torch.manual_seed(0)
     cfg, B, L = PRESETS["440m"], batch_size, seq_len
     mixer = Mamba3Mixer(cfg).cuda()
     u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
     shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+    out = {"machine": machine(), "triton": triton.__version__, "shape": shape, "checks": {},
+           "elapsed_s": {}}
 
-    rows = check_layer(mixer, u, dy)
-    print_table(f"one 440m mixer layer, {shape}, bf16 autocast: max |a - ref| / max |ref| per tensor",
-                ["tensor", "shape", "torch bf16 vs fp32", "triton bf16 vs fp32", "triton vs torch bf16",
-                 "tolerance", ""],
-                [[name, "x".join(map(str, s)), f"{e0:.1e}", f"{e1:.1e}", f"{e2:.1e}", f"{tol:.0e}",
-                  "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+    def done(part):
+        out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
+        console.print(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
 
-    theirs = official_on_gpu(official, cfg, u, dy) if official else None
-    layer_times(mixer, u, dy, reps, theirs, shape)
-    del mixer, u, dy
+    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
+            "passed")
+    for dtype, reset in [] if official else [("bf16", None), ("bf16", gpu_resets(B, L)),
+                                             ("fp32", None)]:
+        what = f"{dtype}" + (" with resets" if reset is not None else "")
+        rows = check_layer(mixer, u, dy, dtype, reset)
+        print_check(rows, f"one 440m mixer layer, {shape}, {what}")
+        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
+        done(f"check {what}")
+    if child:
+        out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
+        done("training run compiled")
+    with first_config_only() if official else contextlib.nullcontext():
+        theirs = official_on_gpu(official, cfg, u, dy) if official else None
+        out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
+    done("layer timings")
+    del mixer, u, dy, theirs
     torch.cuda.empty_cache()
-    if train_steps:
-        train_runs(train_steps, total_batch_size)
-    console.print(f"machine: {machine()}, triton {triton.__version__}")
-    if not all(ok for *_, ok in rows):
+    failed = [what for what, rows in out["checks"].items() if not all(r["passed"] for r in rows)]
+    if child:
+        run = out["train"] = out["train_ready"] if "error" in out["train_ready"] else \
+            child_says(child, deadline, go=True)
+        if "error" in run:
+            console.print(run["error"], markup=False, highlight=False)
+            failed.append("training run")
+        else:
+            print_table(f"the 440m preset, torch.compile on, random tokens, "
+                        f"{run['tokens_per_step']:,} tokens a step: {run['steps']} steps after 2 "
+                        "of warm-up",
+                        ["tokens/s", "ms/step", "MFU", "peak memory GB", "compile + warm-up s"],
+                        [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
+                          f"{run['mfu']:.1%}" if run["mfu"] else "-",
+                          f"{run['peak_memory_gb']:.1f}", f"{out['train_ready']['ready']:.0f}"]])
+        done("training run")
+    out["failed"] = failed
+    if json_path:
+        json_path.write_text(json.dumps(out, indent=1) + "\n")
+    console.print(f"machine: {machine()}, triton {triton.__version__}"
+                  + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if failed:
         raise typer.Exit(1)
 
 

@@ -428,9 +428,10 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # chunk masked. Tiles are padded to powers of 2, at least 16 for tl.dot: PP >= P, and N is held as
 # its even and odd dims, two tiles of NH >= N / 2 (see _qk). Two dtypes, both tl.constexpr: DT, the
 # one operand dtype of every tl.dot (zxbcdt's: bf16, fp16 or fp32), and ACC, the dtype of cumsums,
-# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests). The
-# model's sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is
-# compiled once per model shape.
+# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests), and
+# PREC, the products' input precision (tf32 for float32 operands: see _mixer_tiles). The model's
+# sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is compiled once
+# per model shape.
 
 try:
     import triton
@@ -475,7 +476,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
         # a product's operands in its one dtype DT. PREC is the product's input precision: "ieee",
-        # or "tf32" for float32 operands (tensor cores, which read 10 of float32's 23 mantissa bits).
+        # or "tf32" for float32 operands (tensor cores, reading 10 of float32's 23 mantissa bits).
         # The interpreter multiplies in numpy, so what a GPU does is done here: bf16 operands go to
         # float32 (numpy would multiply bf16 bit patterns), tf32 operands lose their last 13
         # mantissa bits (what the hardware ignores: cut, the larger error, not rounded)
@@ -772,7 +773,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             states.store([row, NH], So.to(DT))
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
-            Y = _dot(_scaled_weights(decay, sc.gamma, sc.w, i) * scores, X, DT, PREC) + e[:, None] * QS
+            MS = _scaled_weights(decay, sc.gamma, sc.w, i) * scores
+            Y = _dot(MS, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
             Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
@@ -869,7 +871,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # the scan's gradients, one product at a time
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt  # and the D skip's share
+            # and the D skip's share
+            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
             tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
@@ -985,43 +988,44 @@ def _pow2(d, least=16):
 
 def _mixer_tiles(chunk_size, P, N, dtype):
     """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the kernels' chunk C, the
-    tiles PP >= P and NH >= N / 2 (the kernels hold q, k and the state as their even and odd dims),
-    the dot operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC.
-    float32 operands take tf32 products on tensor cores (in true float32 the products run on FMA
-    units: the backward spilled 19 KB a thread on sm_90, 92 KB at ptxas' own register count, and
-    took minutes to compile) and chunks of at most 32 (at 64 the float32 backward asks 128 KB of
-    shared memory on sm_8x, more than sm_86 and sm_89 have, and 224 KB on sm_90). The chunk is the
-    kernels' own: the chunked algebra is exact for any chunk, only the rounding differs."""
+    tiles PP >= P and NH >= N / 2 (q, k and the state are held as their even and odd dims), the dot
+    operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32
+    takes tf32 products (true float32 ones run on FMA units: the sm_90 backward spilled 19 KB a
+    thread and took minutes to compile) in chunks of at most 32 (at 64 the backward spills 5.0 KB
+    and asks 224 KB of shared memory on sm_90; at 32, 1.9 and 56). Any chunk, the same algebra."""
     C = min(chunk_size, 32) if dtype == torch.float32 else chunk_size
-    acc = _compute_dtype(torch.empty(0, dtype=dtype))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(C=C, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
 def _launch_options(backward, major, tiles):
     """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
-    compute capability `major`.x (0: the interpreter, where they do nothing). One program holds a
-    (P, N) float32 state (32 KB at 64 x 128, 32 registers a thread at 8 warps) plus the chunk's (C,
-    C), (C, P) and (C, N) blocks, so registers are what limits these kernels: 8 warps spread the
-    tiles over 256 threads, and num_stages=1 keeps the compiler from holding the next chunks' loads
-    in flight (prefetching, with one program per SM either way, cost more spilled registers than it
-    hid latency). Smaller tiles need fewer warps. The bf16 backward on sm_8x: Triton lays out every
-    product of a loop body with all warps along its rows, 16 rows a warp, so at 8 warps each 64-row
-    tile is computed and held twice, and 4 warps capped at 255 registers (ptxas would give them 32
-    to 40 and a 41-48 KB stack) spill less: 9.8 KB a thread against 10.4 on sm_80, 9.1 on sm_86 and
-    sm_89. On sm_90 neither helps (the cap spills 3.0 KB against 2.8, 4 warps 9.7), nor with the
-    float32 chunks of 32 on sm_8x (5.6 KB at 8 warps, 8.6 at 4). Figures of Triton 3.9's offline
-    compile (python tools/gpu_evidence.py compile)."""
+    compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
+    KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
+    kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the next chunks'
+    loads from holding registers (with one program per SM, prefetching cost more spills than it
+    hid latency). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
+    stack, is capped at 255 (float32 on sm_80: 7.8 KB of spills a thread against 43 under Triton
+    3.6); at 64-token chunks also 4 warps, since Triton lays out every product with all warps along
+    its rows (16 rows a warp: at 8 warps a 64-row tile is held twice): 9.8 KB against 10.4 (Triton
+    3.9). Not on sm_90 (the cap: 3.0 KB against 2.8). Figures: tools/gpu_evidence.py compile."""
     C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
     options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
-    if backward and major == 8 and C >= 64 and options["num_warps"] == 8:
-        options |= {"num_warps": 4, "maxnreg": 255}
+    if backward and major == 8 and options["num_warps"] == 8:
+        options |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
     return options
+
+
+# The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
+# 3.9 and sm_80 to sm_90 (python tools/gpu_evidence.py compile; the forward asks less): float32
+# needs 88 under Triton 3.9 but 112 under 3.6 and 160 under 3.7, more than sm_86 and sm_89 give
+_SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
 def fused_refusal(x):
     """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None (also for
-    CPU tensors). mixer's "auto" then takes the PyTorch path; impl="triton" refuses."""
+    CPU tensors): mixer's "auto" then takes the PyTorch path, impl="triton" refuses."""
     if not x.is_cuda:
         return None
     gpu = torch.cuda.get_device_properties(x.device)
@@ -1031,6 +1035,11 @@ def fused_refusal(x):
     if gpu.major < 8:
         return (f"{gpu.name} has compute capability {gpu.major}.{gpu.minor}: the fused kernels "
                 f"need 8.0 or newer (bf16 and tf32 tensor cores)")
+    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
+    if has and has < _SHARED_KIB.get(x.dtype, 0):
+        dtype = str(x.dtype).removeprefix("torch.")
+        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused {dtype} "
+                f"backward may ask {_SHARED_KIB[x.dtype]} KB (bf16 autocast asks less)")
     return None
 
 

@@ -2,6 +2,7 @@
 settings, and what of the GPU check runs without a GPU: the compulsory byte count, the Triton vs torch layer
 check and timing (through the interpreter). The GPU evidence of tools/gpu_evidence.py is tests/test_tools.py's."""
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -102,17 +103,21 @@ def test_region_bytes_counts_the_region_tensors():
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast on rms_norm
-def test_the_gpu_layer_check_passes_through_the_interpreter():
-    # bench.py gpu's comparison, on CPU tensors: the Triton path (interpreted) and the torch path in bf16
-    # autocast against the fp32 torch path, every tensor within the command's tolerances
+@pytest.mark.parametrize("dtype,resets", [("bf16", False), ("bf16", True), ("fp32", False)])
+def test_the_gpu_layer_check_passes_through_the_interpreter(dtype, resets):
+    # bench.py gpu's comparison, on CPU tensors: the Triton path (interpreted) and, in bf16, the torch path in
+    # bf16 autocast against the fp32 torch path, every tensor within the command's tolerances
     cfg = dataclasses.replace(PRESETS["440m"], d_model=64)  # the 440m layer with 2 heads
     torch.manual_seed(0)
     mixer = Mamba3Mixer(cfg)
     u, dy = torch.randn(1, 80, cfg.d_model), torch.randn(1, 80, cfg.d_model)
-    rows = bench.check_layer(mixer, u, dy)
+    reset = torch.zeros(1, 80, dtype=torch.bool)
+    reset[0, [10, 63, 64]] = resets
+    rows = bench.check_layer(mixer, u, dy, dtype, reset if resets else None)
     assert [r[0] for r in rows] == ["y", "u"] + [name for name, _ in mixer.named_parameters()]
     for name, shape, torch_err, triton_err, between, tol, passed in rows:
         assert passed and 0 < triton_err <= tol, (name, triton_err, between, tol)
+        assert (torch_err is None and between is None) == (dtype == "fp32")
 
 
 @pytest.mark.interpreter
@@ -128,3 +133,78 @@ def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
     assert set(bench.time_layer(mixer, u, dy, reps=1)) == {"torch", "triton", "projections"}
 
 
+
+
+CHILD = """
+import json, sys, time
+print("noise", flush=True)
+print("BENCH " + json.dumps({"ready": 1.5}), flush=True)
+sys.stdin.readline()
+if sys.argv[1] == "hang":
+    time.sleep(60)
+print("BENCH " + json.dumps({"steps": 3}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "hang", "crash"])
+def test_the_training_run_is_heard_stopped_at_its_deadline_or_reported(how, tmp_path):
+    # bench.py gpu's training process says "BENCH {json}" lines: ready, then (once told to go) its figures; one that
+    # runs past the deadline is stopped, one that dies is reported with its stderr
+    import subprocess
+    import sys
+    import time
+
+    code = CHILD if how != "crash" else "import sys; sys.exit('no GPU here')"
+    child = subprocess.Popen([sys.executable, "-c", code, how], text=True, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "err", "w+"))
+    child.log = open(tmp_path / "err")
+    t0 = time.monotonic()
+    first = bench.child_says(child, t0 + 30)
+    if how == "crash":
+        assert "exited with 1" in first["error"] and "no GPU here" in first["error"]
+        return
+    assert first == {"ready": 1.5}
+    last = bench.child_says(child, time.monotonic() + 2, go=True)
+    if how == "ok":
+        assert last == {"steps": 3} and child.wait(10) == 0
+    else:
+        assert "ran past the time budget" in last["error"] and time.monotonic() - t0 < 20
+
+
+def test_the_gpu_check_writes_every_figure_as_json(monkeypatch, tmp_path):
+    # the command's flow with the GPU work stood in for: the checks in order, the training run told to go after the
+    # layer timings, every figure in the JSON, a failed check named and exit 1
+    rows = [("y", (8, 2048, 1024), 1e-3, 2e-3, 1e-3, 3e-2, True)]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: None)
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None: torch.zeros(*shape))
+    monkeypatch.setattr(bench, "machine", lambda: "a test")
+    monkeypatch.setattr(bench, "Mamba3Mixer", lambda cfg: types.SimpleNamespace(cuda=lambda: "mixer"))
+    monkeypatch.setattr(bench, "gpu_resets", lambda B, L: "resets")
+    monkeypatch.setattr(bench, "check_layer", lambda mixer, u, dy, dtype, reset: calls.append((dtype, reset))
+                        or (rows if reset is None else [rows[0][:-1] + (False,)]))
+    monkeypatch.setattr(bench, "layer_times", lambda *a: calls.append("times") or {"triton": {"layer_ms": 2.0}})
+    monkeypatch.setattr(bench, "start_train_child", lambda steps, accum: calls.append(("child", steps, accum)) or "child")
+    said = iter([{"ready": 60.0}, {"steps": 10, "tokens_per_step": 16384, "tok_per_s": 1e5, "ms_per_step": 160,
+                                   "mfu": 0.3, "peak_memory_gb": 40.0}])
+    monkeypatch.setattr(bench, "child_says", lambda child, deadline, go=False: calls.append(("says", go)) or next(said))
+    result = invoke("gpu", "--json", tmp_path / "gpu.json", "--total-batch-size", 32768)
+    assert result.exit_code == 1, result.output
+    assert calls == [("child", 10, 2), ("bf16", None), ("bf16", "resets"), ("fp32", None), ("says", False), "times",
+                     ("says", True)]
+    figures = __import__("json").loads((tmp_path / "gpu.json").read_text())
+    assert figures["failed"] == ["bf16 with resets"] and "FAILED: bf16 with resets" in result.output
+    assert figures["checks"]["bf16"] == [{"tensor": "y", "shape": [8, 2048, 1024], "torch_vs_fp32": 1e-3,
+                                          "triton_vs_fp32": 2e-3, "triton_vs_torch": 1e-3, "tolerance": 3e-2,
+                                          "passed": True}]
+    assert figures["train"]["tok_per_s"] == 1e5 and figures["layer_times"] == {"triton": {"layer_ms": 2.0}}
+    assert list(figures["elapsed_s"]) == ["check bf16", "check bf16 with resets", "check fp32",
+                                          "training run compiled", "layer timings", "training run"]
+
+
+def test_the_gpu_check_refuses_a_batch_that_is_not_whole_micro_batches(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = invoke("gpu", "--total-batch-size", 20000)
+    assert result.exit_code == 2 and result.output.startswith("error: --total-batch-size 20000 must be a multiple")

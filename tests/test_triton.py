@@ -184,13 +184,21 @@ def test_mixer_dispatch(monkeypatch):
     assert calls == ["triton"] and state[1].shape == S.shape
 
 
-GPUS = {"H200": types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0),
-        "T4": types.SimpleNamespace(name="Tesla T4", major=7, minor=5)}
+GPUS = {"H200": types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, shared_memory_per_block_optin=232448),
+        "A100": types.SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8, minor=0,
+                                      shared_memory_per_block_optin=166912),
+        "4090": types.SimpleNamespace(name="NVIDIA GeForce RTX 4090", major=8, minor=9,
+                                      shared_memory_per_block_optin=101376),
+        "T4": types.SimpleNamespace(name="Tesla T4", major=7, minor=5, shared_memory_per_block_optin=65536)}
 
 
-@pytest.mark.parametrize("gpu,dtype,refusal", [("H200", F64, "float64: the fused backward would need 256 KB"),
-                                               ("T4", torch.bfloat16, "Tesla T4 has compute capability 7.5"),
-                                               ("H200", torch.bfloat16, None), ("H200", torch.float32, None)])
+@pytest.mark.parametrize("gpu,dtype,refusal", [
+    ("H200", F64, "float64: the fused backward would need 256 KB"),
+    ("T4", torch.bfloat16, "Tesla T4 has compute capability 7.5"),
+    ("4090", torch.float32, "NVIDIA GeForce RTX 4090 gives a block 99 KB of shared memory and the fused "
+                            "float32 backward may ask 160 KB"),
+    ("H200", torch.bfloat16, None), ("H200", torch.float32, None), ("A100", torch.float32, None),
+    ("4090", torch.bfloat16, None)])
 def test_what_the_fused_kernels_cannot_run_is_the_torch_path_or_a_refusal(monkeypatch, gpu, dtype, refusal):
     # decided from the dtype and the GPU's properties before anything launches: "auto" takes the PyTorch path with
     # one warning, impl="triton" refuses in one sentence naming MAMBA3_IMPL=torch. (CPU tensors play CUDA ones.)

@@ -467,7 +467,7 @@ def jit_function(module: str, name: str):
 def compile_one(launch: dict, arch: int) -> tuple:
     """(binary's hash, figures) of one launch compiled for compute capability arch: registers and
     spill bytes as ptxas -v reported them while Triton built the cubin, shared memory from the
-    kernel's metadata, whether its Triton IR has a tl.dot, its SASS's wgmma (HGMMA) count, and the
+    kernel's metadata, whether its Triton IR has a tl.dot, its PTX's wgmma count, and the
     seconds the compile took."""
     args = [stand_in(a) for a in launch["args"]]
     kwargs = {k: stand_in(v) for k, v in launch["kwargs"].items()}
@@ -484,7 +484,8 @@ def compile_one(launch: dict, arch: int) -> tuple:
     return kernel.hash, dict(registers=int(registers[1]), spill_stores=int(spills[1]),
                              spill_loads=int(spills[2]), shared=meta.shared, num_warps=meta.num_warps,
                              num_stages=meta.num_stages, dot="tt.dot" in kernel.asm["ttir"],
-                             wgmma=kernel.asm["sass"].count("HGMMA"), seconds=round(seconds, 1))
+                             wgmma=kernel.asm["ptx"].count("wgmma.mma_async"),
+                             seconds=round(seconds, 1))
 
 
 def compile_launches(launches: list, archs: list, official: Optional[str] = None) -> list:
@@ -572,7 +573,7 @@ def compile_table(rows: list) -> list:
             continue
         spills = f"{r['spill_stores']} / {r['spill_loads']}"
         wgmma = ("-" if r["arch"] != 90 or not r["dot"] else
-                 f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "[red]no[/red]")
+                 f"yes ({r['wgmma']})" if r["wgmma"] else "[red]no[/red]")
         maxnreg = r.get("maxnreg") or c.get("maxnreg")
         launch = f"{r['num_warps']} / {r['num_stages']}" + (f" / {maxnreg}" if maxnreg else "")
         table.append(row + [launch, r["registers"],
@@ -592,7 +593,7 @@ def official_table(rows: list) -> list:
         best[key]["configs"] += 1
     return [[kernel, f"sm_{arch}", r["configs"], r["num_warps"], r["constexprs"].get("maxnreg", "-"),
              r["registers"], f"{r['spill_stores']} / {r['spill_loads']}",
-             f"yes ({r['wgmma']} HGMMA)" if r["wgmma"] else "-"]
+             f"yes ({r['wgmma']})" if r["wgmma"] else "-"]
             for (kernel, arch), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
 
@@ -615,12 +616,12 @@ def summary(rows: list) -> list:
     dots = [r for r in ok if r["arch"] == 90 and r.get("dot")]
     missing = [r["label"] for r in dots if not r["wgmma"]]
     if dots:
-        lines.append("target, wgmma on sm_90: " + (f"NOT met, no HGMMA in {', '.join(missing)} "
+        lines.append("target, wgmma on sm_90: " + (f"NOT met, no wgmma in {', '.join(missing)} "
                                                    f"({len(dots) - len(missing)} of {len(dots)} "
                                                    "kernels with a tl.dot use it)" if missing else "met"))
     return lines + ["registers and spill bytes: ptxas -v as Triton ran it for each cubin; shared "
-                    "memory: the compiled kernel's metadata; wgmma: HGMMA instructions in the cubin's "
-                    "SASS (cuobjdump); compile s: this machine's seconds for the binary"]
+                    "memory: the compiled kernel's metadata; wgmma: wgmma.mma_async instructions in "
+                    "the PTX (SASS: HGMMA); compile s: this machine's seconds for the binary"]
 
 
 @app.command("compile")
@@ -671,6 +672,13 @@ def compile_(
     launches = [launch for d in dict.fromkeys(d.value for d in dtype) for r in ([False, True] if resets else [False])
                 for launch in run_isolated("capture_launches", True, dtype=d, resets=r,
                                            ngroups=ngroups, **run)]
+    # a launch that two configs share (the same arguments: _sum_heads with and without resets) is
+    # one binary, compiled once under the first config's name
+    unique = {}
+    for launch in launches:
+        unique.setdefault(json.dumps({k: v for k, v in launch.items() if k != "config"},
+                                     sort_keys=True), launch)
+    launches = list(unique.values())
     t1 = time.perf_counter()
     rows = []
     for path in [None] + [str(p) for p in triton_path]:
