@@ -5,12 +5,12 @@
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
     python bench.py memory    # training state per rank with DDP and --fsdp; a step's peak memory
-    python bench.py all       # the four above
+    python bench.py all       # kernels, data, ckpt and train
     python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared
-machine slows every contender alike; the ratios are what to read, the absolute figures depend on
-the machine. The GPU path's evidence that needs no GPU is tools/gpu_evidence.py (compile, traffic).
+machine slows every contender alike: read the ratios. `bench.py compile|traffic` run
+tools/gpu_evidence.py, the GPU path's evidence that needs no GPU.
 """
 import bisect
 import contextlib
@@ -54,25 +54,29 @@ DType = Literal["bf16", "fp16", "fp32"]
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 Preset = enum.Enum("Preset", {name: name for name in PRESETS}, type=str)  # an Enum: --model repeats
 
-
 # -----------------------------------------------------------------------------
 # timing and tables
 
 
 def machine() -> str:
     """One line naming the machine the figures come from."""
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), cpu)
+    info = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    cpu = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    cpu = cpu[1].strip() if cpu else platform.processor() or platform.machine()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     threads = torch.get_num_threads()
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads{gpu}"
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def timed(fn, n: int = 1) -> float:
+    """Mean seconds of n calls of fn, a GPU synchronized before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / n
 
 
 def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict:
@@ -80,15 +84,10 @@ def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict:
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    sync()
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed(fn))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -99,6 +98,10 @@ def print_table(title: str, columns: list, rows: list):
     for r in rows:
         table.add_row(*[str(v) for v in r])
     console.print(table)
+
+
+def say(text: str):  # as is: paths and error messages are no rich markup
+    console.print(text, markup=False, highlight=False)
 
 
 # Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins,
@@ -114,7 +117,6 @@ def hbm_bandwidth():
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
 
-
 # -----------------------------------------------------------------------------
 # bench.py kernels
 
@@ -128,12 +130,12 @@ def segsum_minimal(a):
     return a.masked_fill(~(below | torch.eye(T, dtype=torch.bool, device=a.device)), float("-inf"))
 
 
-def ssd_minimal(x, q, k, log_a, gamma, beta, chunk_size=64):
-    """The baseline: a Mamba-2-paper-style minimal SSD (segsum masks and four einsums) extended with
-    Mamba-3's trapezoid weights w_s = gamma_s + beta_{s+1} and the gamma diagonal. No initial state;
-    L must be a multiple of chunk_size."""
+def ssd_minimal(x, q, k, log_a, trapezoid, chunk_size):
+    """The baseline: a Mamba-2-paper-style minimal SSD (segsum masks and four einsums) with
+    Mamba-3's trapezoid = (gamma, beta): weights w_s = gamma_s + beta_{s+1}, and the gamma
+    diagonal. No initial state; L must be a multiple of chunk_size."""
+    (gamma, beta), C = trapezoid, chunk_size
     B, L, H, P = x.shape
-    C = chunk_size
     c = L // C
     w = gamma + F.pad(beta[:, 1:], (0, 0, 0, 1))
     X, Q, K = (t.reshape(B, c, C, H, -1) for t in (x, q, k))
@@ -178,36 +180,29 @@ def kernels(
     with cli_errors(ValueError):
         dev = pick_device(device)
         if L % C:
-            raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the baseline")
+            raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
+                             "baseline")
     g = torch.Generator(device="cpu").manual_seed(0)
 
-    def make(*shape, scale=1.0, positive=False, dtype=TORCH_DTYPE[dtype]):
+    def make(*shape, scale=1.0, sign=0, dtype=TORCH_DTYPE[dtype]):  # sign +-1: t.abs() * sign
         t = torch.randn(*shape, generator=g) * scale
-        return (t.abs() if positive else t).to(device=dev, dtype=dtype).requires_grad_()
+        return (t.abs() * sign if sign else t).to(device=dev, dtype=dtype).requires_grad_()
 
     x, q, k = make(B, L, H, P), make(B, L, H, N, scale=N**-0.5), make(B, L, H, N, scale=N**-0.5)
-    log_a = (-make(B, L, H, scale=0.1, positive=True, dtype=torch.float32)).detach().requires_grad_()
-    gamma, beta = (make(B, L, H, scale=0.05, positive=True, dtype=torch.float32) for _ in range(2))
+    log_a, gamma, beta = (make(B, L, H, scale=scale, sign=sign, dtype=torch.float32)
+                          for scale, sign in ((0.1, -1), (0.05, 1), (0.05, 1)))
     inputs = (x, q, k, log_a, gamma, beta)
     dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
 
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
-    paths = {base: lambda *t: ssd_minimal(*t, chunk_size=C),
+    paths = {base: lambda x, q, k, a, g, b: ssd_minimal(x, q, k, a, (g, b), C),
              "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
     if recurrent:
         paths[rec] = lambda *t: K.ssd(*t, impl="recurrent")
-
-    def fwd(fn):
-        def run():
-            with torch.no_grad():
-                fn(*inputs)
-        return run
-
-    def fwd_bwd(fn):  # torch.autograd.grad: no .grad accumulation inside the timing
-        return lambda: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
-
-    fns = {(name, p): run(fn) for name, fn in paths.items()
-           for p, run in (("fwd", fwd), ("fwd+bwd", fwd_bwd))}
+    fns = {}
+    for name, fn in paths.items():  # fwd+bwd by autograd.grad: no .grad accumulation in the timing
+        fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
+        fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
     times = time_interleaved({key: f for key, f in fns.items() if key[0] != rec}, reps)
     if recurrent:  # the slow one in a group of its own, fewer times
         slow = {key: f for key, f in fns.items() if key[0] == rec}
@@ -217,16 +212,15 @@ def kernels(
     bw = hbm_bandwidth() if dev == "cuda" else None
     rows = []
     for name in paths:
-        f, fb = times[(name, "fwd")], times[(name, "fwd+bwd")]
-        rows.append([name, f"{f * 1e3:.2f}", f"{fb * 1e3:.2f}", f"{f / times[(base, 'fwd')]:.2f}x",
-                     f"{fb / times[(base, 'fwd+bwd')]:.2f}x",
-                     f"{times[(rec, 'fwd+bwd')] / fb:.0f}x" if recurrent else "-"]
+        f, fb = times[name, "fwd"], times[name, "fwd+bwd"]
+        rows.append([name, f"{f * 1e3:.2f}", f"{fb * 1e3:.2f}", f"{f / times[base, 'fwd']:.2f}x",
+                     f"{fb / times[base, 'fwd+bwd']:.2f}x",
+                     f"{times[rec, 'fwd+bwd'] / fb:.0f}x" if recurrent else "-"]
                     + ([f"{moved / f / bw:.0%}"] if bw else []))
     cols = ["path", "fwd ms", "fwd+bwd ms", "fwd vs baseline", "fwd+bwd vs baseline",
             "faster than recurrence"] + (["fwd of HBM roofline (in+out bytes)"] if bw else [])
     print_table(f"ssd  B{B} L{L} H{H} P{P} N{N} C{C} {dtype} on {dev}", cols, rows)
     console.print(f"machine: {machine()}")
-
 
 # -----------------------------------------------------------------------------
 # bench.py data
@@ -274,21 +268,21 @@ def bench_loaders(path, files, L, B, reps, per_call):
     import data as D
 
     shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
-    shard_starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
+    starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
     source = D.open_tokens(path)
     # Touch every page through both sets of maps, so that all contenders run in the steady state
     # (first touches of a fresh map cost a page fault each, whoever makes them).
     assert max(int(s.max()) for s in shards) == source.max_token_id
-    W = (shard_starts[-1] - 1) // L
+    W = (starts[-1] - 1) // L
     n = min(W // B, (reps + 2) * per_call)
 
     def contender(seed, batch_fn, addresses=False):
-        # Each contender gets its own random windows (a permutation, as the loader draws them):
-        # windows another contender has just copied would be cache-warm, and flatter it.
+        # Each its own random windows (a permutation, as the loader draws them): windows another
+        # contender has just copied would be cache-warm, and flatter it.
         order = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)  # window ids
         batches = [(o * L).tolist() for o in order]  # window starts
         if addresses:  # found in advance, outside the timer
-            batches = [[window_pieces(shards, shard_starts, s, L + 1) for s in b] for b in batches]
+            batches = [[window_pieces(shards, starts, s, L + 1) for s in b] for b in batches]
         i = 0
 
         def run():
@@ -304,13 +298,10 @@ def bench_loaders(path, files, L, B, reps, per_call):
         limit = contender(1, lambda ids, _: view[ids].astype(np.int64))
     else:  # many files: one slice copy per piece of a window, converting as it copies
         limit = contender(1, lambda _, pieces: copy_windows(pieces, B, L), addresses=True)
-    # As train.py does, arm the check of each file's token ids at its first read; it runs once per
-    # file, so the steady state (what the table shows) pays nothing for it: its one-time cost, one
-    # read of every file, is timed here and printed below the table.
+    # As train.py does, arm the check of each file's token ids at its first read: it runs once per
+    # file, so the steady state pays nothing for it; its one-time cost is timed here.
     D.check_vocab(source, 1 << 16)
-    t0 = time.perf_counter()
-    source.windows(np.arange(W), L)  # every window once: every file's first read, and its check
-    check = time.perf_counter() - t0
+    check = timed(lambda: source.windows(np.arange(W), L))  # every window, so every file, once
     loader = D.Batches(source, L, B, B, seed=0)
 
     def batches():  # like a training loop, each batch is dropped before the next is taken
@@ -318,7 +309,7 @@ def bench_loaders(path, files, L, B, reps, per_call):
             next(loader)
 
     # The slow baselines run in a group of their own: their garbage would land on whoever follows.
-    slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, shard_starts, s, L))}
+    slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, starts, s, L))}
     if len(files) == 1:
         slow["nanoGPT get_batch"] = contender(4, lambda _, s: nanogpt_get_batch(files[0], s, L))
     times = time_interleaved({"limit": limit, "data.Batches": batches}, reps)
@@ -348,16 +339,31 @@ def bench_prepare(out: Path):
                 runs = [time_prepare(out, tokenizer, workers) for _ in range(2)]
                 n, best, manifest = min(runs, key=lambda run: run[1])
                 if tokenizer == "byte":  # a token a byte, and an EOS a document
-                    files, size = manifest["stats"]["input_files"], n - manifest["stats"]["documents"]
+                    stats = manifest["stats"]
+                    files, size = stats["input_files"], n - stats["documents"]
                 rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}",
                              f"{size / best / 1e6:.1f}"])
         except RuntimeError as e:  # gpt2 without its BPE file (offline): said, then the rest
             if tokenizer == "byte":
                 raise
-            console.print(f"prepare {tokenizer}: skipped ({e}; set TIKTOKEN_CACHE_DIR)", markup=False,
-                          highlight=False)
+            say(f"prepare {tokenizer}: skipped ({e}; set TIKTOKEN_CACHE_DIR)")
     print_table(f"prepare.py on the demo corpus ({files} files, {size / 1e6:.1f} MB of Python)",
                 ["tokenizer", "workers", "tokens", "seconds", "M tokens/s", "MB/s"], rows)
+
+
+def write_streams(root: Path, tokens: int, shard_tokens: int) -> list:
+    """A random uint16 stream as one file and as shards, read once into the page cache:
+    [(label, path, files)]."""
+    (root / "shards").mkdir(parents=True, exist_ok=True)
+    stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
+    stream.tofile(root / "train.bin")
+    files = [root / "shards" / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
+    for k, f in enumerate(files):
+        stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
+    for f in [root / "train.bin"] + files:
+        f.read_bytes()
+    return [(f"one {tokens / 1e6:g}M-token file", root / "train.bin", [root / "train.bin"]),
+            (f"{len(files):,} files of {shard_tokens:,} tokens", root / "shards", files)]
 
 
 @app.command()
@@ -368,50 +374,36 @@ def data(
     batch_size: int = typer.Option(16, min=1, help="B"),
     reps: int = typer.Option(60, min=1, help="Interleaved repetitions per loader."),
     per_call: int = typer.Option(10, min=1, help="Batches per timed call."),
-    prepare_corpus: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py."),
-    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a temporary "
-                                           "directory, removed afterwards)."),
+    prepare: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py."),
+    workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a "
+                                           "temporary directory, removed afterwards)."),
 ):
     """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
     One core, warm page cache. The limit is a raw copy of the same kind of windows into a fresh
-    int64 (B, L+1) buffer (what the loader returns x and y as views of), with every window's address
-    found in advance, outside the timer. Baselines: nanoGPT's get_batch and a loader stitching
-    windows through Python lists. Then prepare.py on the demo corpus with 1 and 2 workers (byte, and
-    gpt2 where tiktoken can load its BPE file)."""
+    int64 (B, L+1) buffer, every window's address found in advance, outside the timer. Baselines:
+    nanoGPT's get_batch and a loader stitching windows through Python lists. Then prepare.py on the
+    demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
-        root = Path(workdir or tmp)
-        (root / "shards").mkdir(parents=True, exist_ok=True)
-        stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
-        stream.tofile(root / "train.bin")
-        files = [root / "shards" / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
-        for k, f in enumerate(files):
-            stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-        del stream
-        for f in [root / "train.bin"] + files:  # warm the page cache
-            f.read_bytes()
-        rows, checks = [], []
-        streams = [(f"one {tokens / 1e6:g}M-token file", root / "train.bin", [root / "train.bin"]),
-                   (f"{len(files):,} files of {shard_tokens:,} tokens", root / "shards", files)]
-        for label, path, fs in streams:
-            t, check = bench_loaders(path, fs, L, B, reps, per_call)
+        root, rows, checks = Path(workdir or tmp), [], []
+        for label, path, files in write_streams(root, tokens, shard_tokens):
+            t, check = bench_loaders(path, files, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
-            for name in ("limit", "data.Batches", "nanoGPT get_batch", "Python lists"):
-                if name in t:
-                    rows.append([label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
-                                 f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"])
+            rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
+                      f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"]
+                     for name in ("limit", "data.Batches", "nanoGPT get_batch", "Python lists")
+                     if name in t]
         print_table(f"data loader  B{B} L{L} random windows, warm page cache, 1 core",
                     ["stream", "loader", "M tokens/s", "us/batch", "vs limit"], rows)
         console.print("the token-id check's one-time cost (every window read once, so every file "
                       "checked once): " + "; ".join(checks))
-        if prepare_corpus:
+        if prepare:
             bench_prepare(root / "demo")
     console.print(f"machine: {machine()}")
     torch.set_num_threads(threads)
-
 
 # -----------------------------------------------------------------------------
 # bench.py ckpt
@@ -426,8 +418,8 @@ def ckpt(
 ):
     """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
 
-    On CPU. ckpt.save includes the sha256 of both files, fsync of files and directory, and the atomic
-    renames; bare + fsync (bare, then both files fsynced) is what durability alone costs."""
+    On CPU. ckpt.save includes the sha256 of both files, fsync of files and directory, and the
+    atomic renames; bare + fsync (bare, then both files fsynced) is what durability alone costs."""
     import ckpt as C
     from safetensors.torch import load_file, save_file
 
@@ -463,7 +455,8 @@ def ckpt(
         def ckpt_save():
             written[:] = C.save(d, 1, net, opt, {"bench": True})
 
-        saves = time_interleaved({"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save}, reps)
+        saves = {"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save}
+        saves = time_interleaved(saves, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(p) for p in written[:2])  # the weights and the optimizer state
 
@@ -483,15 +476,35 @@ def ckpt(
                   "set by the disk)")
     console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
 
-
 # -----------------------------------------------------------------------------
-# bench.py train
+# bench.py train and memory
+
+
+def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
+    """(model, step): preset `name` and one optimizer step of `accum` micro batches of its recipe
+    on random tokens, with AdamW as train.py sets it."""
+    import train as trainer
+
+    B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
+    vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
+    torch.manual_seed(0)
+    lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
+    opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
+    model = torch.compile(lm) if compile_ else lm
+    tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
+
+    def step():
+        for _ in range(accum):
+            trainer.micro_step(model, tokens[:, :-1], tokens[:, 1:], autocast).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return lm, step
 
 
 @app.command("train")
 def train_step(
-    model: Optional[List[Preset]] = typer.Option(None, help="A preset; repeat for several (default: "
-                                                 "tiny and small on a CPU, all on a GPU)."),
+    model: Optional[List[Preset]] = typer.Option(None, help="A preset; repeat for several "
+                                                 "(default: tiny and small on a CPU, all on a GPU)."),
     steps: int = typer.Option(5, min=1, help="Timed optimizer steps per preset."),
     warmup: int = typer.Option(2, min=0, help="Untimed steps first (allocation, torch.compile)."),
     device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
@@ -510,39 +523,23 @@ def train_step(
         dev = pick_device(device)
     dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
-    names = [m.value for m in model or []] or (list(PRESETS) if dev == "cuda" else ["tiny", "small"])
+    default = list(PRESETS) if dev == "cuda" else ["tiny", "small"]
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16")
     peak = peak_flops(torch.cuda.get_device_name() if dev == "cuda" else "")
     rows = []
-    for name in names:
+    for name in [m.value for m in model or []] or default:
         B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
-        vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
-        torch.manual_seed(0)
         try:
-            lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
-            opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=dev == "cuda")
-            fwd = torch.compile(lm) if compile_ else lm
-            tokens = torch.randint(0, vocab, (B, L + 1), device=dev)
-
-            def step():
-                trainer.micro_step(fwd, tokens[:, :-1], tokens[:, 1:], autocast).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
+            lm, step = training(name, dev, autocast, compile_)
             for _ in range(warmup):
                 step()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()
-            dt = (time.perf_counter() - t0) / steps
+            dt = timed(step, steps)
             n_params, flops = lm.num_params(), lm.flops_per_token(L)
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
             continue
         finally:
-            lm = opt = fwd = None
+            lm = step = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
         tok_s = B * L / dt
@@ -553,6 +550,29 @@ def train_step(
     console.print(f"machine: {machine()}")
 
 
+def state_bytes(lm, world: int, fsdp: bool) -> int:
+    """Weights, gradients and AdamW's 2 moments per rank, 16 bytes a float32 weight; FSDP2 splits
+    each tensor's rows into `world` equal chunks, the last one padded."""
+    return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
+                    for p in lm.parameters())
+
+
+def peak_added(rank: int, port: int, args: list, peaks):
+    """One rank as torchrun starts it, running train.py `args`: the memory it adds, into peaks."""
+    import resource
+
+    import train as trainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with contextlib.suppress(SystemExit):
+        trainer.app(args)
+    peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
+
+
 @app.command()
 def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, measured step.")):
     """Training state per rank with DDP and with --fsdp; a `small` step's peak on 2 CPU ranks.
@@ -560,23 +580,18 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
     The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
     `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
     import multiprocessing
-    import resource
     import socket
 
     import train as trainer
-
-    def state(lm, world, fsdp):  # weights, gradients, AdamW's 2 moments: 16 bytes a float32 weight;
-        # FSDP2 splits each tensor's rows into `world` equal chunks, the last one padded
-        return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
-                        for p in lm.parameters())
 
     rows = []
     for name in PRESETS:
         with torch.device("meta"):
             lm = Mamba3LM(PRESETS[name])
         group = max(sum(p.numel() for p in lm.blocks[0].parameters()), lm.embed.weight.numel())
-        sizes = [state(lm, 1, False)] + [state(lm, w, True) for w in (1, 2, 8)] + [8 * group]
-        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"] + [f"{b / 1e9:.2f}" for b in sizes])
+        sizes = [state_bytes(lm, 1, False)] + [state_bytes(lm, w, True) for w in (1, 2, 8)]
+        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"]
+                    + [f"{b / 1e9:.2f}" for b in sizes + [8 * group]])
     print_table("parameters + gradients + AdamW moments per rank, GB, float32 (on top: "
                 "activations; with FSDP, the weights and gradients of the block or root gathered)",
                 ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
@@ -585,28 +600,16 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
     L, ctx, rows = trainer.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
     args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
             "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
-
-    def peak(rank, port, args, peaks):  # one rank as torchrun starts it: 2 steps and an eval
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
-        start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        with contextlib.suppress(SystemExit):
-            trainer.app(args)
-        peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
-
     for fsdp in (False, True):
         with socket.socket() as s:  # a free port for the two to meet on
             s.bind(("127.0.0.1", 0))
             peaks, port = ctx.Array("d", 2), s.getsockname()[1]
-        ranks = [ctx.Process(target=peak, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
+        ranks = [ctx.Process(target=peak_added, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
                  for r in (0, 1)]
         [p.start() for p in ranks], [p.join() for p in ranks]
         rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
     print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
     console.print(f"machine: {machine()}")
-
 
 # -----------------------------------------------------------------------------
 # bench.py gpu
@@ -639,10 +642,9 @@ def official_package(src):
 
 
 def official_layer(Mamba3, cfg, **kwargs):
-    # the official layer with cfg's widths (its defaults, expand 2 and half the state dims turned,
-    # are ours)
-    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
-                  chunk_size=cfg.chunk_size, **kwargs)
+    # cfg's widths (the official defaults, expand 2 and half the state dims turned, are ours)
+    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim,
+                  ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, **kwargs)
 
 
 def rel_err(a, ref) -> float:
@@ -652,9 +654,9 @@ def rel_err(a, ref) -> float:
 
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
     """The compulsory HBM traffic of the layer's region, in_proj's output to out_proj's input, from
-    the shapes: forward reads the input (the in_proj row) and writes the output once; backward reads
-    the input and the output's gradient and writes the input's gradient once. Activations take
-    act_bytes an element; the fp32 parameters are read once a pass, their gradients written once."""
+    the shapes: forward reads the in_proj row and writes the output once; backward reads both and
+    writes the row's gradient once; the fp32 parameters are read once a pass, their gradients
+    written once."""
     T = batch_size * seq_len
     H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
     row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z|x|B|C|dd_dt|dd_A|trap|angle
@@ -663,26 +665,29 @@ def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict
     return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
 
 
-def layer_outputs(mixer, u, dy, impl: str, dtype: str, reset=None) -> dict:
-    """The layer's output y and the gradients of its input u and of every parameter after a forward
-    and backward on scan path impl, under autocast to dtype (fp32: none), as fp32 tensors by name."""
-    mixer.zero_grad(set_to_none=True)
-    u = u.detach().requires_grad_()
-    with scan_impl(impl):
+def forward_backward(module, u, dy, impl=None, dtype="bf16", reset=None):
+    """One forward and backward of module on u (a leaf) on scan path impl, in autocast to dtype."""
+    module.zero_grad(set_to_none=True)
+    u.grad = None
+    with scan_impl(impl) if impl else contextlib.nullcontext():
         with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
-            y = mixer(u, reset=reset)
+            y = module(u) if reset is None else module(u, reset=reset)
         y.backward(dy)
-    grads = {n: p.grad.float() for n, p in mixer.named_parameters()}
-    return {"y": y.detach().float(), "u": u.grad.float()} | grads
+    return y
 
 
 def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
-    """The Triton path in dtype (bf16 autocast, or fp32: none) and, for bf16, the torch path in
-    bf16, against the float32 torch path: rows of (tensor, shape, torch vs fp32, triton vs fp32,
-    triton vs torch, tolerance, passed), the torch columns None for fp32."""
-    ref = layer_outputs(mixer, u, dy, "torch", "fp32", reset)
-    ours = layer_outputs(mixer, u, dy, "triton", dtype, reset)
-    theirs = layer_outputs(mixer, u, dy, "torch", dtype, reset) if dtype != "fp32" else None
+    """The Triton path in dtype and, for bf16, the torch path in bf16, against the float32 torch
+    path: rows of (tensor, shape, torch vs fp32, triton vs fp32, triton vs torch, tolerance,
+    passed) over the output y and the gradients of u and every parameter; torch's None for fp32."""
+    def outputs(impl, dtype):
+        x = u.detach().requires_grad_()
+        y = forward_backward(mixer, x, dy, impl, dtype, reset)
+        grads = {n: p.grad.float() for n, p in mixer.named_parameters()}
+        return {"y": y.detach().float(), "u": x.grad.float()} | grads
+
+    ref, ours = outputs("torch", "fp32"), outputs("triton", dtype)
+    theirs = outputs("torch", dtype) if dtype != "fp32" else None
     rows = []
     for name, r in ref.items():
         tol = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"]
@@ -695,84 +700,53 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
 
 
 def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
-    """Median seconds of a forward + backward of the layer under bf16 autocast on each scan path (and
-    of the official layer of the same widths, if given), and of its two projections alone (in_proj
-    and out_proj on inputs of the same shapes) to subtract."""
-    autocast = torch.autocast(u.device.type, dtype=torch.bfloat16)
+    """Median seconds of a forward + backward of the layer in bf16 autocast on each scan path (and
+    of the official layer, if given), and of its two projections alone, to subtract."""
     u = u.detach().requires_grad_()
     B, L, _ = u.shape
     g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
     da = torch.ones(B, L, mixer.in_proj.out_features, device=u.device, dtype=torch.bfloat16)
     dout = torch.ones(*u.shape, device=u.device, dtype=torch.bfloat16)
 
-    def layer(module, impl=None):
-        def run():
-            module.zero_grad(set_to_none=True)
-            u.grad = None
-            with scan_impl(impl) if impl else contextlib.nullcontext():
-                with autocast:
-                    y = module(u)
-                y.backward(dy)
-        return run
-
     def projections():
         mixer.zero_grad(set_to_none=True)
         u.grad = g.grad = None
-        with autocast:
+        with torch.autocast(u.device.type, dtype=torch.bfloat16):
             a, out = mixer.in_proj(u), mixer.out_proj(g)
         torch.autograd.backward([a, out], [da, dout])
 
-    fns = {"torch": layer(mixer, "torch"), "triton": layer(mixer, "triton"), "projections": projections}
+    fns = {impl: lambda impl=impl: forward_backward(mixer, u, dy, impl)
+           for impl in ("torch", "triton")}
+    fns["projections"] = projections
     if official is not None:
-        fns["official"] = layer(official)
+        fns["official"] = lambda: forward_backward(official, u, dy)
     return time_interleaved(fns, reps, warmup=2)
 
 
 def train_child(steps: int, accum: int):
-    """bench.py gpu's training run, in a process of its own started first, so that torch.compile's
-    minutes overlap the layer checks: the 440m preset on random tokens, compiled, `accum` micro
-    batches of its recipe (8 x 2048) a step. Says "BENCH {json}" lines: {"ready": s} after two
-    untimed steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps`
-    timed ones."""
+    """bench.py gpu's training run, a process of its own started first so that torch.compile's
+    minutes overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed
+    steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
     import train as trainer
 
-    torch.manual_seed(0)
-    B, L, vocab = trainer.RECIPES["440m"]["batch_size"], trainer.RECIPES["440m"]["seq_len"], 50257
-    lm = Mamba3LM(dataclasses.replace(PRESETS["440m"], vocab_size=vocab)).cuda()
-    opt = torch.optim.AdamW(lm.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    model, autocast = torch.compile(lm), torch.autocast("cuda", dtype=torch.bfloat16)
-    tokens = torch.randint(0, vocab, (B, L + 1), device="cuda")
-
-    def step():
-        for _ in range(accum):
-            trainer.micro_step(model, tokens[:, :-1], tokens[:, 1:], autocast).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    say = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
-    t0 = time.perf_counter()
-    for _ in range(2):  # compilation, allocation
-        step()
-    sync()
-    say(ready=time.perf_counter() - t0)
+    lm, step = training("440m", "cuda", torch.autocast("cuda", dtype=torch.bfloat16), True, accum)
+    L = trainer.RECIPES["440m"]["seq_len"]
+    tokens = accum * trainer.RECIPES["440m"]["batch_size"] * L
+    tell = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
+    tell(ready=2 * timed(step, 2))  # compilation, allocation
     sys.stdin.readline()
     torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    dt, peak = (time.perf_counter() - t0) / steps, peak_flops(torch.cuda.get_device_name())
-    say(steps=steps, tokens_per_step=accum * B * L, tok_per_s=accum * B * L / dt,
-        ms_per_step=dt * 1e3, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
-        mfu=lm.flops_per_token(L) * accum * B * L / dt / peak if peak else None)
+    dt, peak = timed(step, steps), peak_flops(torch.cuda.get_device_name())
+    tell(steps=steps, tokens_per_step=tokens, tok_per_s=tokens / dt, ms_per_step=dt * 1e3,
+         peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
+         mfu=lm.flops_per_token(L) * tokens / dt / peak if peak else None)
 
 
 def start_train_child(steps: int, accum: int):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no wandb run
-    log = tempfile.TemporaryFile(mode="w+")
-    child = subprocess.Popen([sys.executable, "-c", f"import bench; bench.train_child({steps}, "
-                              f"{accum})"], cwd=ROOT, env=env, text=True, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=log)
+    code, log = f"import bench; bench.train_child({steps}, {accum})", tempfile.TemporaryFile("w+")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
     child.log = log  # its stderr, for the error report
     return child
 
@@ -799,20 +773,17 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths from the checkout at `official`, as its users run it (its
-    own kernels, on this GPU), run forward and backward once; None, said why, if it does not run."""
+    """The official layer of cfg's widths from the checkout at `official`, on its own kernels, after
+    one forward and backward; None, said why, if it does not run."""
     sys.modules.setdefault("mamba_ssm", official_package(official))
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
 
         theirs = official_layer(Mamba3, cfg, device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = theirs(u)
-        y.backward(dy)
+        forward_backward(theirs, u, dy)
         return theirs
     except Exception as e:  # a contender that does not run is a finding: shown, then the rest
-        console.print(f"the official layer in {official} did not run here: {type(e).__name__}: {e}",
-                      markup=False, highlight=False)
+        say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager
@@ -827,40 +798,30 @@ def first_config_only():
 
 
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
-    """The table of time_layer's figures: each path's layer, and its region (the layer minus its
-    projections) against the HBM roofline of the region's compulsory bytes. Returns the figures."""
+    """time_layer's table: each path's layer, and its region (the layer minus its projections)
+    against the HBM roofline of the region's compulsory bytes. Returns the figures."""
     t = time_layer(mixer, u, dy, reps, official)
-    B, L, _ = u.shape
-    moved, bw = sum(region_bytes(mixer.cfg, B, L).values()), hbm_bandwidth()
-    table, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
-                          "hbm_bytes_per_s": bw}
+    moved, bw = sum(region_bytes(mixer.cfg, *u.shape[:2]).values()), hbm_bandwidth()
+    rows, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
+                         "hbm_bytes_per_s": bw}
     for path in ("torch", "triton") + (("official",) if official is not None else ()):
         region = t[path] - t["projections"]
         roofline = moved / bw / region if bw and region > 0 else None
         figures[path] = {"layer_ms": t[path] * 1e3, "region_ms": region * 1e3, "roofline": roofline,
                          "speedup_vs_torch": t["torch"] / t[path]}
-        table.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}",
-                      f"{t['torch'] / t[path]:.2f}x", f"{roofline:.0%}" if roofline else "-"])
+        rows.append([path, f"{t[path] * 1e3:.2f}", f"{region * 1e3:.2f}",
+                     f"{t['torch'] / t[path]:.2f}x", f"{roofline:.0%}" if roofline else "-"])
     print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
                 ["scan path", "layer ms", "region ms (layer - projections)",
-                 "layer speed-up vs torch", "region of HBM roofline"], table)
+                 "layer speed-up vs torch", "region of HBM roofline"], rows)
     if official is not None:
         console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
                       "official layer's time")
     at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
           else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
-                  f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, forward + backward){at}")
+                  f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, fwd + bwd){at}")
     return figures
-
-
-def print_check(rows: list, what: str):
-    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
-    print_table(f"{what}: max |a - ref| / max |ref| per tensor, ref the float32 torch path",
-                ["tensor", "shape", "torch vs fp32", "triton vs fp32", "triton vs torch",
-                 "tolerance", ""],
-                [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
-                  "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
 
 
 def gpu_resets(B: int, L: int):
@@ -870,36 +831,64 @@ def gpu_resets(B: int, L: int):
     return reset.cuda()
 
 
+def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
+    """check_layer's tables in bf16 without and with resets and in fp32, into out["checks"]."""
+    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
+            "passed")
+    cols = ["tensor", "shape", "torch vs fp32", "triton vs fp32", "triton vs torch", "tolerance", ""]
+    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+    for dtype, reset in [("bf16", None), ("bf16", gpu_resets(*u.shape[:2])), ("fp32", None)]:
+        what = dtype + (" with resets" if reset is not None else "")
+        rows = check_layer(mixer, u, dy, dtype, reset)
+        print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
+                    "tensor, ref the float32 torch path", cols,
+                    [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
+                      "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
+        done(f"check {what}")
+
+
+def gpu_train(child, deadline: float, out: dict):
+    """The training run's figures once it has the GPU, into out["train"] (or its error)."""
+    ready = out["train_ready"]
+    run = out["train"] = ready if "error" in ready else child_says(child, deadline, go=True)
+    if "error" in run:
+        say(run["error"])
+        out["failed"].append("training run")
+        return
+    print_table(f"the 440m preset, torch.compile on, random tokens, {run['tokens_per_step']:,} "
+                f"tokens a step: {run['steps']} steps after 2 of warm-up",
+                ["tokens/s", "ms/step", "MFU", "peak memory GB", "compile + warm-up s"],
+                [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
+                  f"{run['mfu']:.1%}" if run["mfu"] else "-", f"{run['peak_memory_gb']:.1f}",
+                  f"{ready['ready']:.0f}"]])
+
+
 @app.command()
 def gpu(
-    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed (440m's micro "
-                                   "batch)."),
+    batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed."),
     seq_len: int = typer.Option(2048, min=1, help="L of the layer checked and timed."),
     reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
-    train_steps: int = typer.Option(10, min=0, help="Timed steps of the 440m training run; 0: "
-                                    "none."),
+    train_steps: int = typer.Option(10, min=0, help="Timed steps of the 440m run; 0: none."),
     total_batch_size: int = typer.Option(
         16384, min=16384, help="Tokens per optimizer step of that run, a multiple of its micro "
-        "batch 8 x 2048 (the default, so that it fits the time; the preset's 524,288 takes 32)."),
+        "batch 8 x 2048 (the default fits the time; the preset's 524,288 takes 32)."),
     json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
                                              help="Also write every figure there, as JSON."),
-    official: Optional[Path] = typer.Option(None, exists=True, file_okay=False,
-                                            help="A checkout of state-spaces/mamba: a run of its own "
-                                            "that times its Mamba-3 SISO layer beside ours (its "
-                                            "autotuners take their first config), instead of the "
-                                            "checks."),
+    official: Optional[Path] = typer.Option(
+        None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: a run of its "
+        "own that times its Mamba-3 SISO layer beside ours (its autotuners take their first "
+        "config), instead of the checks."),
 ):
     """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; a 440m training run.
 
-    Sized to finish within five minutes on an H200, start-up included; the elapsed time of each part
-    is printed. (1) One mixer layer of the 440m model (H 32, P 64, N 128, chunk 64): the output and
-    every gradient (input and parameters) of the Triton path against the float32 torch path, in bf16
-    autocast without and with resets, and in fp32 (tf32 products), with tolerances. (2) Forward +
-    backward time of that layer on both paths, and of its region (the layer minus its projections)
-    as a fraction of the HBM roofline of its compulsory bytes, counted from the shapes. (3) 10 steps
-    of the 440m preset on random tokens, torch.compile on: tokens/s, MFU, peak memory (its process
-    starts first, so that its compilation overlaps (1)). With --official DIR, a run of its own: (2)
-    with the official Mamba-3 layer of the same widths beside ours, on its own kernels."""
+    Sized to finish within five minutes on an H200, start-up included. (1) One 440m mixer layer:
+    the output and every gradient of the Triton path against the float32 torch path, in bf16
+    autocast without and with resets, and in fp32 (tf32 products). (2) That layer's forward +
+    backward time on both paths, and its region's (the layer minus its projections) against the HBM
+    roofline of its compulsory bytes. (3) 10 steps of the 440m preset on random tokens, compiled:
+    tokens/s, MFU, peak memory (started first, so that its compilation overlaps (1)). --official
+    DIR: a run of its own, (2) with the official layer beside ours."""
     t0 = time.monotonic()
     with cli_errors(ValueError):
         if not torch.cuda.is_available():
@@ -927,17 +916,10 @@ def gpu(
 
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
-        console.print(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
+        say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
 
-    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
-            "passed")
-    for dtype, reset in [] if official else [("bf16", None), ("bf16", gpu_resets(B, L)),
-                                             ("fp32", None)]:
-        what = f"{dtype}" + (" with resets" if reset is not None else "")
-        rows = check_layer(mixer, u, dy, dtype, reset)
-        print_check(rows, f"one 440m mixer layer, {shape}, {what}")
-        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
-        done(f"check {what}")
+    if not official:
+        gpu_checks(mixer, u, dy, shape, out, done)
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
@@ -947,30 +929,17 @@ def gpu(
     done("layer timings")
     del mixer, u, dy, theirs
     torch.cuda.empty_cache()
-    failed = [what for what, rows in out["checks"].items() if not all(r["passed"] for r in rows)]
+    out["failed"] = [what for what, rows in out["checks"].items()
+                     if not all(r["passed"] for r in rows)]
     if child:
-        run = out["train"] = out["train_ready"] if "error" in out["train_ready"] else \
-            child_says(child, deadline, go=True)
-        if "error" in run:
-            console.print(run["error"], markup=False, highlight=False)
-            failed.append("training run")
-        else:
-            print_table(f"the 440m preset, torch.compile on, random tokens, "
-                        f"{run['tokens_per_step']:,} tokens a step: {run['steps']} steps after 2 "
-                        "of warm-up",
-                        ["tokens/s", "ms/step", "MFU", "peak memory GB", "compile + warm-up s"],
-                        [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
-                          f"{run['mfu']:.1%}" if run["mfu"] else "-",
-                          f"{run['peak_memory_gb']:.1f}", f"{out['train_ready']['ready']:.0f}"]])
+        gpu_train(child, deadline, out)
         done("training run")
-    out["failed"] = failed
     if json_path:
         json_path.write_text(json.dumps(out, indent=1) + "\n")
-    console.print(f"machine: {machine()}, triton {triton.__version__}"
-                  + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    if failed:
+    failed = f"; FAILED: {', '.join(out['failed'])}" if out["failed"] else ""
+    console.print(f"machine: {machine()}, triton {triton.__version__}{failed}")
+    if out["failed"]:
         raise typer.Exit(1)
-
 
 # -----------------------------------------------------------------------------
 # bench.py all, and the evidence that needs no GPU (tools/gpu_evidence.py)
