@@ -8,9 +8,8 @@
     python bench.py all       # kernels, data, ckpt and train
     python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
 
-Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...) so that a noisy shared
-machine slows every contender alike: read the ratios. `bench.py compile|traffic` run
-tools/gpu_evidence.py, the GPU path's evidence that needs no GPU.
+Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
+contender alike. `bench.py compile|traffic` run tools/gpu_evidence.py (no GPU needed).
 """
 import bisect
 import contextlib
@@ -103,20 +102,6 @@ def print_table(title: str, columns: list, rows: list):
 def say(text: str):  # as is: paths and error messages are no rich markup
     console.print(text, markup=False, highlight=False)
 
-
-# Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins,
-# so the more specific names come first; "NVIDIA H100 80GB HBM3" is the SXM part).
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
-                   "H800": 3.35e12, "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12,
-                   "A100": 1.56e12, "L40S": 0.864e12, "L4": 0.3e12, "A10G": 0.6e12, "A10": 0.6e12,
-                   "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
-
-
-def hbm_bandwidth():
-    """Peak HBM bytes/s of this GPU by its name (None for a GPU not in HBM_BYTES_PER_S)."""
-    name = torch.cuda.get_device_name()
-    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
-
 # -----------------------------------------------------------------------------
 # bench.py kernels
 
@@ -193,7 +178,6 @@ def kernels(
                           for scale, sign in ((0.1, -1), (0.05, 1), (0.05, 1)))
     inputs = (x, q, k, log_a, gamma, beta)
     dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
-
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
     paths = {base: lambda x, q, k, a, g, b: ssd_minimal(x, q, k, a, (g, b), C),
              "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
@@ -207,19 +191,14 @@ def kernels(
     if recurrent:  # the slow one in a group of its own, fewer times
         slow = {key: f for key, f in fns.items() if key[0] == rec}
         times |= time_interleaved(slow, max(3, reps // 5), warmup=0)
-
-    moved = sum(t.numel() * t.element_size() for t in inputs) + x.numel() * x.element_size()
-    bw = hbm_bandwidth() if dev == "cuda" else None
-    rows = []
-    for name in paths:
-        f, fb = times[name, "fwd"], times[name, "fwd+bwd"]
-        rows.append([name, f"{f * 1e3:.2f}", f"{fb * 1e3:.2f}", f"{f / times[base, 'fwd']:.2f}x",
-                     f"{fb / times[base, 'fwd+bwd']:.2f}x",
-                     f"{times[rec, 'fwd+bwd'] / fb:.0f}x" if recurrent else "-"]
-                    + ([f"{moved / f / bw:.0%}"] if bw else []))
-    cols = ["path", "fwd ms", "fwd+bwd ms", "fwd vs baseline", "fwd+bwd vs baseline",
-            "faster than recurrence"] + (["fwd of HBM roofline (in+out bytes)"] if bw else [])
-    print_table(f"ssd  B{B} L{L} H{H} P{P} N{N} C{C} {dtype} on {dev}", cols, rows)
+    rows = [[name, f"{times[name, 'fwd'] * 1e3:.2f}", f"{times[name, 'fwd+bwd'] * 1e3:.2f}",
+             f"{times[name, 'fwd'] / times[base, 'fwd']:.2f}x",
+             f"{times[name, 'fwd+bwd'] / times[base, 'fwd+bwd']:.2f}x",
+             f"{times[rec, 'fwd+bwd'] / times[name, 'fwd+bwd']:.0f}x" if recurrent else "-"]
+            for name in paths]
+    print_table(f"ssd  B{B} L{L} H{H} P{P} N{N} C{C} {dtype} on {dev}",
+                ["path", "fwd ms", "fwd+bwd ms", "fwd vs baseline", "fwd+bwd vs baseline",
+                 "faster than recurrence"], rows)
     console.print(f"machine: {machine()}")
 
 # -----------------------------------------------------------------------------
@@ -263,8 +242,8 @@ def copy_windows(pieces, B, L):
 
 
 def bench_loaders(path, files, L, B, reps, per_call):
-    """Seconds per batch of each loader on the token stream at `path` (one file or a shard
-    directory), and the one-time cost of data.py's check of the token ids."""
+    """Seconds per batch of each loader on the stream at `path` (a file or a shard directory), and
+    the one-time cost of data.py's check of the token ids."""
     import data as D
 
     shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
@@ -318,8 +297,8 @@ def bench_loaders(path, files, L, B, reps, per_call):
 
 
 def time_prepare(out: Path, tokenizer: str, workers: int):
-    """(tokens, seconds, manifest) of `python prepare.py` on the demo corpus, run as users run it;
-    the seconds are prepare.py's own report (reading, tokenizing, writing: not Python's start)."""
+    """(tokens, seconds, manifest) of `python prepare.py` on the demo corpus, as users run it; the
+    seconds are prepare.py's own report (reading, tokenizing, writing: not Python's start)."""
     cmd = [sys.executable, "prepare.py", "--tokenizer", tokenizer, "--workers", str(workers),
            "--val-fraction", "0.01", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -351,21 +330,6 @@ def bench_prepare(out: Path):
                 ["tokenizer", "workers", "tokens", "seconds", "M tokens/s", "MB/s"], rows)
 
 
-def write_streams(root: Path, tokens: int, shard_tokens: int) -> list:
-    """A random uint16 stream as one file and as shards, read once into the page cache:
-    [(label, path, files)]."""
-    (root / "shards").mkdir(parents=True, exist_ok=True)
-    stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
-    stream.tofile(root / "train.bin")
-    files = [root / "shards" / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
-    for k, f in enumerate(files):
-        stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-    for f in [root / "train.bin"] + files:
-        f.read_bytes()
-    return [(f"one {tokens / 1e6:g}M-token file", root / "train.bin", [root / "train.bin"]),
-            (f"{len(files):,} files of {shard_tokens:,} tokens", root / "shards", files)]
-
-
 @app.command()
 def data(
     tokens: int = typer.Option(50_000_000, min=1, help="Tokens in the synthetic stream (uint16)."),
@@ -374,22 +338,31 @@ def data(
     batch_size: int = typer.Option(16, min=1, help="B"),
     reps: int = typer.Option(60, min=1, help="Interleaved repetitions per loader."),
     per_call: int = typer.Option(10, min=1, help="Batches per timed call."),
-    prepare: bool = typer.Option(True, "--prepare/--no-prepare", help="Also time prepare.py."),
+    prepare: bool = typer.Option(True, help="Also time prepare.py."),
     workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a "
                                            "temporary directory, removed afterwards)."),
 ):
     """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
-    One core, warm page cache. The limit is a raw copy of the same kind of windows into a fresh
-    int64 (B, L+1) buffer, every window's address found in advance, outside the timer. Baselines:
-    nanoGPT's get_batch and a loader stitching windows through Python lists. Then prepare.py on the
-    demo corpus with 1 and 2 workers (byte, and gpt2 where tiktoken can load its BPE file)."""
+    One core, warm page cache; baselines nanoGPT's get_batch and Python lists. prepare.py on the
+    demo corpus, 1 and 2 workers, byte and (where tiktoken finds its BPE file) gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         root, rows, checks = Path(workdir or tmp), [], []
-        for label, path, files in write_streams(root, tokens, shard_tokens):
+        (root / "shards").mkdir(parents=True, exist_ok=True)
+        stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
+        stream.tofile(root / "train.bin")
+        files = [root / "shards" / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
+        for k, f in enumerate(files):
+            stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
+        for f in [root / "train.bin"] + files:  # into the page cache
+            f.read_bytes()
+        for label, path, files in [(f"one {tokens / 1e6:g}M-token file", root / "train.bin",
+                                    [root / "train.bin"]),
+                                   (f"{len(files):,} files of {shard_tokens:,} tokens",
+                                    root / "shards", files)]:
             t, check = bench_loaders(path, files, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
@@ -418,8 +391,8 @@ def ckpt(
 ):
     """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
 
-    On CPU. ckpt.save includes the sha256 of both files, fsync of files and directory, and the
-    atomic renames; bare + fsync (bare, then both files fsynced) is what durability alone costs."""
+    On CPU. bare + fsync (bare, then both files fsynced) is what durability alone costs; ckpt.save
+    adds the sha256 of both files, the directory's fsync and the atomic renames."""
     import ckpt as C
     from safetensors.torch import load_file, save_file
 
@@ -432,25 +405,22 @@ def ckpt(
         p.grad = torch.randn_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    n_params = sum(p.numel() for p in net.parameters())
-
     with tempfile.TemporaryDirectory(dir=workdir) as d:
-        bare_model, bare_optim = os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")
-        written = []
+        files, written = (os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")), []
 
         def bare_save():
-            save_file(net.state_dict(), bare_model)
-            torch.save({"optimizer": opt.state_dict()}, bare_optim)
+            save_file(net.state_dict(), files[0])
+            torch.save({"optimizer": opt.state_dict()}, files[1])
 
         def durable_save():  # bare, then what any crash-safe save must add: both files on the disk
             bare_save()
-            for path in bare_model, bare_optim:
+            for path in files:
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
 
         def bare_load():
-            net.load_state_dict(load_file(bare_model))
-            opt.load_state_dict(torch.load(bare_optim, weights_only=True)["optimizer"])
+            net.load_state_dict(load_file(files[0]))
+            opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
 
         def ckpt_save():
             written[:] = C.save(d, 1, net, opt, {"bench": True})
@@ -459,21 +429,18 @@ def ckpt(
         saves = time_interleaved(saves, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(p) for p in written[:2])  # the weights and the optimizer state
-
-    rows = []
-    for what, t in (("save", saves), ("load", loads)):
-        fsync = [f"{t['fsync']:.2f}", f"{t['ckpt'] / t['fsync']:.2f}x"] if "fsync" in t else ["", ""]
-        rows.append([what, f"{t['bare']:.2f}", fsync[0], f"{t['ckpt']:.2f}",
-                     f"{t['ckpt'] / t['bare']:.2f}x", fsync[1], f"{size / t['bare'] / 1e9:.2f}",
-                     f"{size / t['ckpt'] / 1e9:.2f}"])
+    ratio = lambda t, of: f"{t['ckpt'] / t[of]:.2f}x" if of in t else ""  # noqa: E731
+    rows = [[what, f"{t['bare']:.2f}", f"{t['fsync']:.2f}" if "fsync" in t else "",
+             f"{t['ckpt']:.2f}", ratio(t, "bare"), ratio(t, "fsync"),
+             f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"]
+            for what, t in (("save", saves), ("load", loads))]
     what = f"{model} preset" if model else "Linear stack"
-    print_table(f"checkpoint of {n_params / 1e6:.0f}M params ({what}) + AdamW state: "
-                f"{size / 1e9:.2f} GB, medians of {reps}",
+    print_table(f"checkpoint of {sum(p.numel() for p in net.parameters()) / 1e6:.0f}M params "
+                f"({what}) + AdamW state: {size / 1e9:.2f} GB, medians of {reps}",
                 ["", "bare s", "bare + fsync s", "ckpt s", "ckpt / bare", "ckpt / (bare + fsync)",
                  "bare GB/s", "ckpt GB/s"], rows)
-    console.print("save target: ckpt / bare <= 1.30x (ckpt.save includes sha256, fsync, renames; "
-                  "bare does neither; bare + fsync is the floor of any save that survives a crash, "
-                  "set by the disk)")
+    console.print("save target: ckpt / bare <= 1.30x (bare + fsync is the floor of any save that "
+                  "survives a crash, set by the disk)")
     console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
 
 # -----------------------------------------------------------------------------
@@ -481,8 +448,8 @@ def ckpt(
 
 
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
-    """(model, step): preset `name` and one optimizer step of `accum` micro batches of its recipe
-    on random tokens, with AdamW as train.py sets it."""
+    """(model, step): preset `name`, and one AdamW step (as train.py sets it) of `accum` micro
+    batches of its recipe on random tokens."""
     import train as trainer
 
     B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
@@ -504,7 +471,7 @@ def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
 @app.command("train")
 def train_step(
     model: Optional[List[Preset]] = typer.Option(None, help="A preset; repeat for several "
-                                                 "(default: tiny and small on a CPU, all on a GPU)."),
+                                                 "(default: tiny and small on CPU, all on GPU)."),
     steps: int = typer.Option(5, min=1, help="Timed optimizer steps per preset."),
     warmup: int = typer.Option(2, min=0, help="Untimed steps first (allocation, torch.compile)."),
     device: Device = typer.Option("auto", help="auto picks cuda when torch sees a GPU."),
@@ -515,19 +482,18 @@ def train_step(
 ):
     """Tokens/s, ms/step and MFU of training steps per preset.
 
-    One micro batch of the preset's recipe per step, AdamW, the autocast train.py would use; warm-up
-    and compilation are not timed. A preset that runs out of memory is reported as not fitting."""
+    One micro batch of the preset's recipe per step; warm-up and compilation are not timed. A preset
+    that runs out of memory is reported as not fitting."""
     import train as trainer
 
     with cli_errors(ValueError):
         dev = pick_device(device)
     dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
-    default = list(PRESETS) if dev == "cuda" else ["tiny", "small"]
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dtype == "bf16")
     peak = peak_flops(torch.cuda.get_device_name() if dev == "cuda" else "")
     rows = []
-    for name in [m.value for m in model or []] or default:
+    for name in [m.value for m in model or []] or (PRESETS if dev == "cuda" else ["tiny", "small"]):
         B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
         try:
             lm, step = training(name, dev, autocast, compile_)
@@ -542,9 +508,8 @@ def train_step(
             lm = step = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
-        tok_s = B * L / dt
-        rows.append([name, f"{B}x{L}", f"{tok_s:,.0f}", f"{dt * 1e3:.0f}", f"{n_params / 1e6:.1f}M",
-                     f"{flops * tok_s / peak:.1%}" if peak else "-"])
+        rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
+                     f"{n_params / 1e6:.1f}M", f"{flops * B * L / dt / peak:.1%}" if peak else "-"])
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
                 ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
     console.print(f"machine: {machine()}")
@@ -596,7 +561,6 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
                 "activations; with FSDP, the weights and gradients of the block or root gathered)",
                 ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
                 rows)
-
     L, ctx, rows = trainer.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
     args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
             "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
@@ -614,12 +578,17 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
 # -----------------------------------------------------------------------------
 # bench.py gpu
 
-# Max relative error (max |a - ref| / max |ref| over a tensor) a run may show against the float32
-# torch path, for the layer's output and every gradient: bf16 keeps 8 bits of mantissa (4e-3 a
-# rounding) and a layer rounds often; fp32's products in the fused region are tf32 (11 bits, cut:
-# 1e-3 a product; the interpreter's tf32 at these widths: 1.3e-3 for y, up to 5e-3 for gradients).
+# Max |a - ref| / max |ref| of the layer's output and of every gradient against the float32 torch
+# path: bf16 keeps 8 bits of mantissa (4e-3 a rounding) and a layer rounds often; fp32's products
+# are tf32 (11 bits: the interpreter's tf32 shows 1.3e-3 for y, up to 5e-3 for gradients).
 GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 1e-2, "gradients": 2e-2}}
 GPU_BUDGET_S = 300  # bench.py gpu, start-up included: the GPU check must fit what a lent GPU allows
+# Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins,
+# so the more specific names come first; "NVIDIA H100 80GB HBM3" is the SXM part).
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+                   "H800": 3.35e12, "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12,
+                   "A100": 1.56e12, "L40S": 0.864e12, "L4": 0.3e12, "A10G": 0.6e12, "A10": 0.6e12,
+                   "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
 
 
 def scan_impl(impl: str):
@@ -634,8 +603,7 @@ def check_official(official: Optional[Path]):
 
 
 def official_package(src):
-    """The mamba_ssm package of a state-spaces/mamba checkout at src, as a module whose submodules
-    import without running its __init__ (which imports transformers, for generation)."""
+    """state-spaces/mamba's package at src, its submodules importable without its __init__'s."""
     package = types.ModuleType("mamba_ssm")
     package.__path__ = [str(Path(src) / "mamba_ssm")]
     return package
@@ -653,10 +621,8 @@ def rel_err(a, ref) -> float:
 
 
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
-    """The compulsory HBM traffic of the layer's region, in_proj's output to out_proj's input, from
-    the shapes: forward reads the in_proj row and writes the output once; backward reads both and
-    writes the row's gradient once; the fp32 parameters are read once a pass, their gradients
-    written once."""
+    """The compulsory HBM bytes of the layer's region (in_proj's output to out_proj's input): each
+    pass reads its inputs and writes its outputs once, the fp32 parameters and gradients too."""
     T = batch_size * seq_len
     H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
     row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z|x|B|C|dd_dt|dd_A|trap|angle
@@ -678,8 +644,8 @@ def forward_backward(module, u, dy, impl=None, dtype="bf16", reset=None):
 
 def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
     """The Triton path in dtype and, for bf16, the torch path in bf16, against the float32 torch
-    path: rows of (tensor, shape, torch vs fp32, triton vs fp32, triton vs torch, tolerance,
-    passed) over the output y and the gradients of u and every parameter; torch's None for fp32."""
+    path, for y and the gradients of u and every parameter: rows of (tensor, shape, torch vs fp32,
+    triton vs fp32, triton vs torch, tolerance, passed), the torch columns None for fp32."""
     def outputs(impl, dtype):
         x = u.detach().requires_grad_()
         y = forward_backward(mixer, x, dy, impl, dtype, reset)
@@ -773,8 +739,8 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths from the checkout at `official`, on its own kernels, after
-    one forward and backward; None, said why, if it does not run."""
+    """The official layer of cfg's widths from the checkout at `official` (its own kernels), after
+    a forward and backward; None, said why, if it does not run."""
     sys.modules.setdefault("mamba_ssm", official_package(official))
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
@@ -800,8 +766,9 @@ def first_config_only():
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
     """time_layer's table: each path's layer, and its region (the layer minus its projections)
     against the HBM roofline of the region's compulsory bytes. Returns the figures."""
-    t = time_layer(mixer, u, dy, reps, official)
-    moved, bw = sum(region_bytes(mixer.cfg, *u.shape[:2]).values()), hbm_bandwidth()
+    t, name = time_layer(mixer, u, dy, reps, official), torch.cuda.get_device_name()
+    moved = sum(region_bytes(mixer.cfg, *u.shape[:2]).values())
+    bw = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
     rows, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
                          "hbm_bytes_per_s": bw}
     for path in ("torch", "triton") + (("official",) if official is not None else ()):
@@ -818,7 +785,7 @@ def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
         console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
                       "official layer's time")
     at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
-          else f"; no HBM bandwidth known for {torch.cuda.get_device_name()}")
+          else f"; no HBM bandwidth known for {name}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
                   f"traffic {moved / 1e6:,.0f} MB (counted from the shapes, fwd + bwd){at}")
     return figures
@@ -835,15 +802,15 @@ def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
     """check_layer's tables in bf16 without and with resets and in fp32, into out["checks"]."""
     keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
             "passed")
-    cols = ["tensor", "shape", "torch vs fp32", "triton vs fp32", "triton vs torch", "tolerance", ""]
     e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
     for dtype, reset in [("bf16", None), ("bf16", gpu_resets(*u.shape[:2])), ("fp32", None)]:
         what = dtype + (" with resets" if reset is not None else "")
         rows = check_layer(mixer, u, dy, dtype, reset)
         print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
-                    "tensor, ref the float32 torch path", cols,
+                    "tensor, ref the float32 torch path", [k.replace("_", " ") for k in keys],
                     [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
-                      "pass" if ok else "[red]FAIL[/red]"] for name, s, e0, e1, e2, tol, ok in rows])
+                      "pass" if ok else "[red]FAIL[/red]"]
+                     for name, s, e0, e1, e2, tol, ok in rows])
         out["checks"][what] = [dict(zip(keys, row)) for row in rows]
         done(f"check {what}")
 
@@ -876,19 +843,15 @@ def gpu(
     json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
                                              help="Also write every figure there, as JSON."),
     official: Optional[Path] = typer.Option(
-        None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: a run of its "
-        "own that times its Mamba-3 SISO layer beside ours (its autotuners take their first "
-        "config), instead of the checks."),
+        None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: instead of the "
+        "checks, time its Mamba-3 SISO layer beside ours (its autotuners: their first config)."),
 ):
     """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; a 440m training run.
 
-    Sized to finish within five minutes on an H200, start-up included. (1) One 440m mixer layer:
-    the output and every gradient of the Triton path against the float32 torch path, in bf16
-    autocast without and with resets, and in fp32 (tf32 products). (2) That layer's forward +
-    backward time on both paths, and its region's (the layer minus its projections) against the HBM
-    roofline of its compulsory bytes. (3) 10 steps of the 440m preset on random tokens, compiled:
-    tokens/s, MFU, peak memory (started first, so that its compilation overlaps (1)). --official
-    DIR: a run of its own, (2) with the official layer beside ours."""
+    Within five minutes on an H200, start-up included: one 440m layer's output and gradients on
+    the Triton path against the float32 torch path (bf16 without and with resets, fp32); its
+    forward + backward time on both paths and against the HBM roofline; steps of the 440m preset,
+    compiled (started first, to overlap the checks). --official DIR: the timings, theirs too."""
     t0 = time.monotonic()
     with cli_errors(ValueError):
         if not torch.cuda.is_available():
