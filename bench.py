@@ -16,9 +16,12 @@ import contextlib
 import dataclasses
 import enum
 import json
+import multiprocessing
 import os
 import platform
 import re
+import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 import kernels as K
+import train
 from data import cli_errors
 from model import PRESETS, Mamba3LM, Mamba3Mixer, bf16_native, peak_flops, pick_device
 
@@ -450,9 +454,7 @@ def ckpt(
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
     """(model, step): preset `name`, and one AdamW step (as train.py sets it) of `accum` micro
     batches of its recipe on random tokens."""
-    import train as trainer
-
-    B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
+    B, L = train.RECIPES[name]["batch_size"], train.RECIPES[name]["seq_len"]
     vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
     torch.manual_seed(0)
     lm = Mamba3LM(dataclasses.replace(PRESETS[name], vocab_size=vocab)).to(dev)
@@ -462,7 +464,7 @@ def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
 
     def step():
         for _ in range(accum):
-            trainer.micro_step(model, tokens[:, :-1], tokens[:, 1:], autocast).backward()
+            train.micro_step(model, tokens[:, :-1], tokens[:, 1:], autocast).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return lm, step
@@ -484,8 +486,6 @@ def train_step(
 
     One micro batch of the preset's recipe per step; warm-up and compilation are not timed. A preset
     that runs out of memory is reported as not fitting."""
-    import train as trainer
-
     with cli_errors(ValueError):
         dev = pick_device(device)
     dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
@@ -494,7 +494,7 @@ def train_step(
     peak = peak_flops(torch.cuda.get_device_name() if dev == "cuda" else "")
     rows = []
     for name in [m.value for m in model or []] or (PRESETS if dev == "cuda" else ["tiny", "small"]):
-        B, L = trainer.RECIPES[name]["batch_size"], trainer.RECIPES[name]["seq_len"]
+        B, L = train.RECIPES[name]["batch_size"], train.RECIPES[name]["seq_len"]
         try:
             lm, step = training(name, dev, autocast, compile_)
             for _ in range(warmup):
@@ -524,17 +524,13 @@ def state_bytes(lm, world: int, fsdp: bool) -> int:
 
 def peak_added(rank: int, port: int, args: list, peaks):
     """One rank as torchrun starts it, running train.py `args`: the memory it adds, into peaks."""
-    import resource
-
-    import train as trainer
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
     start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with contextlib.suppress(SystemExit):
-        trainer.app(args)
+        train.app(args)
     peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
 
 
@@ -544,11 +540,6 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
 
     The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
     `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
-    import multiprocessing
-    import socket
-
-    import train as trainer
-
     rows = []
     for name in PRESETS:
         with torch.device("meta"):
@@ -561,7 +552,7 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
                 "activations; with FSDP, the weights and gradients of the block or root gathered)",
                 ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
                 rows)
-    L, ctx, rows = trainer.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
+    L, ctx, rows = train.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
     args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
             "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
     for fsdp in (False, True):
@@ -693,11 +684,9 @@ def train_child(steps: int, accum: int):
     """bench.py gpu's training run, a process of its own started first so that torch.compile's
     minutes overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed
     steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
-    import train as trainer
-
     lm, step = training("440m", "cuda", torch.autocast("cuda", dtype=torch.bfloat16), True, accum)
-    L = trainer.RECIPES["440m"]["seq_len"]
-    tokens = accum * trainer.RECIPES["440m"]["batch_size"] * L
+    L = train.RECIPES["440m"]["seq_len"]
+    tokens = accum * train.RECIPES["440m"]["batch_size"] * L
     tell = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
     tell(ready=2 * timed(step, 2))  # compilation, allocation
     sys.stdin.readline()
