@@ -355,18 +355,18 @@ def data(
     B, L = batch_size, seq_len
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         root, rows, checks = Path(workdir or tmp), [], []
-        (root / "shards").mkdir(parents=True, exist_ok=True)
+        one, shards = root / "train.bin", root / "shards"
+        shards.mkdir(parents=True, exist_ok=True)
         stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
-        stream.tofile(root / "train.bin")
-        files = [root / "shards" / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
+        stream.tofile(one)
+        files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
         for k, f in enumerate(files):
             stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-        for f in [root / "train.bin"] + files:  # into the page cache
+        for f in [one] + files:  # into the page cache
             f.read_bytes()
-        for label, path, files in [(f"one {tokens / 1e6:g}M-token file", root / "train.bin",
-                                    [root / "train.bin"]),
-                                   (f"{len(files):,} files of {shard_tokens:,} tokens",
-                                    root / "shards", files)]:
+        streams = {f"one {tokens / 1e6:g}M-token file": (one, [one]),
+                   f"{len(files):,} files of {shard_tokens:,} tokens": (shards, files)}
+        for label, (path, files) in streams.items():
             t, check = bench_loaders(path, files, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
@@ -741,15 +741,13 @@ def official_on_gpu(official: Path, cfg, u, dy):
         say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
 
 
-@contextlib.contextmanager
 def first_config_only():
-    """Inside, every Triton autotuner takes the first of its configs and times none (the official
-    kernels' tuners would try 234 and not finish in ten minutes)."""
+    """`with first_config_only():` every Triton autotuner takes its first config and times none
+    (the official kernels' tuners would try 234 and not finish in ten minutes)."""
     from triton.runtime.autotuner import Autotuner
 
     prune = Autotuner.prune_configs
-    with mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1]):
-        yield
+    return mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1])
 
 
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
