@@ -183,7 +183,7 @@ def kernels(
     inputs = (x, q, k, log_a, gamma, beta)
     dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
-    paths = {base: lambda x, q, k, a, g, b: ssd_minimal(x, q, k, a, (g, b), C),
+    paths = {base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
              "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
     if recurrent:
         paths[rec] = lambda *t: K.ssd(*t, impl="recurrent")
