@@ -348,8 +348,9 @@ def data(
 ):
     """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
-    One core, warm page cache; baselines nanoGPT's get_batch and Python lists. prepare.py on the
-    demo corpus, 1 and 2 workers, byte and (where tiktoken finds its BPE file) gpt2."""
+    One core, warm page cache. The limit: the same windows copied into a fresh int64 (B, L+1) buffer,
+    their addresses found outside the timer; baselines nanoGPT's get_batch and Python lists. Then
+    prepare.py on the demo corpus, 1 and 2 workers, byte and (where tiktoken finds its BPE) gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
@@ -362,6 +363,7 @@ def data(
         files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
         for k, f in enumerate(files):
             stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
+        del stream
         for f in [one] + files:  # into the page cache
             f.read_bytes()
         streams = {f"one {tokens / 1e6:g}M-token file": (one, [one]),
