@@ -348,9 +348,9 @@ def data(
 ):
     """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
-    One core, warm page cache. The limit: the same windows copied into a fresh int64 (B, L+1) buffer,
-    their addresses found outside the timer; baselines nanoGPT's get_batch and Python lists. Then
-    prepare.py on the demo corpus, 1 and 2 workers, byte and (where tiktoken finds its BPE) gpt2."""
+    One core, warm page cache. The limit: the same windows copied into a fresh int64 (B, L+1)
+    buffer, their addresses found outside the timer; baselines nanoGPT's get_batch and Python
+    lists. Then prepare.py on the demo corpus, 1 and 2 workers, byte and (with its BPE) gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
