@@ -400,7 +400,7 @@ def ckpt(
     On CPU. bare + fsync (bare, then both files fsynced) is what durability alone costs; ckpt.save
     adds the sha256 of both files, the directory's fsync and the atomic renames."""
     import ckpt as C
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_model, save_model
 
     torch.manual_seed(0)
     n = max(1, round(params / 2048**2))
@@ -414,8 +414,8 @@ def ckpt(
     with tempfile.TemporaryDirectory(dir=workdir) as d:
         files, written = (os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")), []
 
-        def bare_save():
-            save_file(net.state_dict(), files[0])
+        def bare_save():  # save_model: safetensors' save_file, a tied tensor (a preset's) once
+            save_model(net, files[0])
             torch.save({"optimizer": opt.state_dict()}, files[1])
 
         def durable_save():  # bare, then what any crash-safe save must add: both files on the disk
@@ -425,7 +425,7 @@ def ckpt(
                     os.fsync(f.fileno())
 
         def bare_load():
-            net.load_state_dict(load_file(files[0]))
+            load_model(net, files[0])
             opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
 
         def ckpt_save():
