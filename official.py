@@ -49,8 +49,7 @@ MARKER = "mamba3_lite.json"  # marks an export (the next may replace it); our co
 FILES = {"config.json", "pytorch_model.bin", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "README.md", MARKER}  # an export's own: the rest is the user's
 MLP_MULTIPLE, NORM_EPS = 128, 1e-5  # GatedMLP rounds its hidden size up to the first; RMSNorm's eps
-# MambaConfig's fields and Mamba3's arguments with their official defaults, for config.json files
-# that leave some out
+# MambaConfig's fields and Mamba3's arguments with their defaults, for config.json files without
 CONFIG_DEFAULTS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
                        residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
                        tie_embeddings=True)
@@ -58,8 +57,7 @@ MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fracti
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
 MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
-# no effect here (mimo_rank: read only with is_mimo; fuse_pregate_headwise_norm: only with the
-# output norm)
+# no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
 # the mixer's tensors in our names; the official ones are the same but B_norm.weight, C_norm.weight
 MIXER_NAMES = ["in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
@@ -90,8 +88,8 @@ def official_config(cfg) -> dict:
                         f"at {NORM_EPS}")
     if problems:
         raise CheckpointError("; ".join(problems))
-    mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
+    mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
     ssm_cfg = {"layer": "Mamba3", **mixer, "chunk_size": cfg.chunk_tokens,
                "is_outproj_norm": False, "is_mimo": bool(mimo), **mimo}
     # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one
@@ -411,11 +409,9 @@ def usage(out, marker):
 
 def export(run_dir, out_dir, step=None) -> Path:
     """Write checkpoint `step` of a train.py run directory (default: its newest step that verifies)
-    into `out_dir` in the official format; returns out_dir. Refused with a CheckpointError naming
-    the path before anything is written: no good checkpoint, what the format cannot express, a
-    missing tokenizer file, an out_dir that is neither new, empty, nor an earlier export.
-    data.replace_dir builds the new export beside the old one and swaps it in whole, keeping the
-    files a user added (under a lock, `.OUT_DIR.lock` beside it)."""
+    into `out_dir` in the official format; returns out_dir. What cannot be exported is refused
+    before anything is written, as an out_dir that is neither new, empty, nor an earlier export;
+    the new export replaces the old one whole, keeping files a user added (data.replace_dir)."""
     run_dir, out = Path(run_dir), Path(out_dir)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MARKER).is_file())):
         raise CheckpointError(f"{out} exists and is not an earlier export (it has no {MARKER}); "
@@ -486,8 +482,8 @@ def export_main(
     marker = json.loads((out / MARKER).read_text())
     load, command, notes = usage(out, marker)
     console, names = Console(highlight=False), ", ".join(sorted(p.name for p in out.iterdir()))
-    console.print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n  load      {load}\n"
-                  f"  evaluate  {command}", markup=False, soft_wrap=True)
+    console.print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
+                  f"  load      {load}\n  evaluate  {command}", markup=False, soft_wrap=True)
     for n in notes:
         Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/bold yellow] "
                                                     f"{escape(n)}", soft_wrap=True)
