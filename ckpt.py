@@ -17,6 +17,7 @@ import fcntl
 import json
 import math
 import os
+import pickle
 import platform
 import random
 import re
@@ -350,7 +351,8 @@ def _read(d, step, where):
         _set_rng(state["rng"], scratch=True)
     except FileNotFoundError:  # hashed a moment ago: deleted since
         raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
-    except Exception as e:  # noqa: BLE001 - whatever the parsers raise of bytes not their format
+    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
+            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
                                 f"({str(e)[:200]})") from None
     return tensors, state

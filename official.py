@@ -102,8 +102,8 @@ def official_config(cfg) -> dict:
 
 
 def config_from_official(config: dict, where) -> dict:
-    """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` for a
-    missing or unknown field and for what our model cannot be."""
+    """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` lists
+    a missing or unknown field and what our model cannot be."""
     core = {"d_model", "n_layer", "vocab_size", "ssm_cfg"}
     missing = sorted(core - config.keys())
     unknown = sorted(config.keys() - CONFIG_DEFAULTS.keys() - core)
@@ -267,8 +267,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
 
 def load_model(run_dir, step=None):
     """(model in eval mode, meta, step) rebuilt from a checkpoint of a train.py run directory: its
-    config from the meta, then the weights. Without a step, the newest that verifies (a corrupt one,
-    or one deleted as it is read by the retention of a run writing there, is passed over)."""
+    config from the meta, then the weights; without a step, the newest that loads (ckpt.newest)."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
@@ -310,10 +309,9 @@ def check_impl(model):
 
 
 def read_pretrained(path):
-    """Weights to start from: (ModelConfig fields, state dict in our names, tokenizer spec or None).
-    `path` is a train.py run directory (its newest step that verifies) or a directory in the
-    official format (an export, or anyone's Mamba-3 checkpoint: config.json with
-    model.safetensors or pytorch_model.bin)."""
+    """Weights to start from: (ModelConfig fields, state dict in our names, tokenizer spec or None)
+    of a train.py run directory (its newest step that verifies) or of a directory in the official
+    format (an export, or anyone's Mamba-3 checkpoint)."""
     p = Path(path)
     if p.is_dir() and ckpt.step_files(p):
         model, meta, _ = load_model(p)
