@@ -99,7 +99,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
         with ThreadPoolExecutor(2) as pool:  # independent files; writing and hashing free the GIL
             meta["files"] = dict(zip(names, pool.map(_write, map(tmp.get, names), writers)))
         _write(tmp[names[2]], lambda p: p.write_text(json.dumps(meta, indent=2)))
-        if (d / names[2]).exists():  # re-saving: un-commit first, or a crash pairs old meta, new data
+        if (d / names[2]).exists():  # re-saving: un-commit, or a crash pairs old meta, new data
             (d / names[2]).unlink()
             fsync(d)
         for name in names:  # the meta last, as the commit, once the data files are durable
@@ -168,9 +168,11 @@ def _independent(state):
 def _rng_state():
     # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
+    keys = ["name", "keys", "pos", "has_gauss", "cached_gaussian"]  # np.random.get_state()'s
+    numpy = dict(zip(keys, np.random.get_state()))
     numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(),
+            "numpy": numpy}
 
 
 def _set_rng(rng, scratch=False):
@@ -213,7 +215,8 @@ def _write(tmp, write):
 def _remove_leftovers(d):
     # What killed saves and retentions leave: temporary files, and the data files of a step without
     # a meta. Only the one writer of d calls this, so none of it can be a save in progress.
-    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps) for p in ps]
+    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps)
+               for p in ps]
     for p in orphans + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
         p.unlink()
 
@@ -280,7 +283,8 @@ def latest_step(dir):
 
 def read_meta(dir, step, verify=False):
     """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
-    d, names, where = Path(dir), _names(step), f"step {step} in {dir}"
+    d, names = Path(dir), _names(step)
+    where = f"step {step} in {d}"
     if not any((d / name).exists() for name in names):
         steps = list_steps(d) or "none"
         raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: {steps}")
@@ -293,14 +297,15 @@ def read_meta(dir, step, verify=False):
                                       f"says {want['bytes']}")
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
             found = dict(zip(files, pool.map(sha256, [d / n for n in files] if verify else [])))
-    except FileNotFoundError as e:  # also when retention removes one as we look: readers do not lock
+    except FileNotFoundError as e:  # also as retention removes one: readers take no lock
         raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is "
                                    "missing") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where} is unreadable: {d / names[2]} is not a valid meta file "
                               f"({e})") from None
-    for name in [name for name in found if found[name] != files[name]["sha256"]]:
-        raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 mismatch)")
+    if bad := [name for name in found if found[name] != files[name]["sha256"]]:
+        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 "
+                                "mismatch)")
     return meta
 
 
