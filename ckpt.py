@@ -248,6 +248,9 @@ def lock(dir):
     except (FileExistsError, NotADirectoryError):  # (what mkdir and open say of a file there)
         raise CheckpointError(f"{d} is a file (or lies under one), not a directory; use another "
                               f"directory") from None
+    except OSError as e:  # (a file system without locks, say)
+        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
+                              f"permissions") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     return f

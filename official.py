@@ -437,7 +437,8 @@ def export(run_dir, out_dir, step=None) -> Path:
 
     def fill(stage):
         torch.save(state, stage / "pytorch_model.bin")
-        untied = {k: v.clone() for k, v in state.items()}  # safetensors refuses tied tensors
+        # safetensors refuses tied tensors: lm_head.weight is the embedding's
+        untied = dict(state, **{"lm_head.weight": state["lm_head.weight"].clone()})
         safetensors.torch.save_file(untied, stage / "model.safetensors", metadata={"format": "pt"})
         (stage / "model.safetensors").chmod(ckpt.FILE_MODE)  # (safetensors' own is 0600)
         for name, blob in files.items():
