@@ -177,11 +177,11 @@ def _rng_state():
 
 def _set_rng(rng, scratch=False):
     # scratch=True: into new generators, to try the states a file holds before anything changes
-    gens = (torch.Generator(), random.Random(), np.random.RandomState()) if scratch else (
-        torch.default_generator, random, np.random)
-    gens[0].set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
-    gens[1].setstate(rng["python"])
-    gens[2].set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
+    cpu, python, numpy = (torch.Generator(), random.Random(), np.random.RandomState()) if scratch \
+        else (torch.default_generator, random, np.random)
+    cpu.set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
+    python.setstate(rng["python"])
+    numpy.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
     if not scratch and rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"].cpu())
 
@@ -286,8 +286,7 @@ def latest_step(dir):
 
 def read_meta(dir, step, verify=False):
     """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
-    d, names = Path(dir), _names(step)
-    where = f"step {step} in {d}"
+    d, names, where = Path(dir), _names(step), f"step {step} in {Path(dir)}"
     if not any((d / name).exists() for name in names):
         steps = list_steps(d) or "none"
         raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: {steps}")
