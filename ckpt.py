@@ -5,14 +5,11 @@ Step N of a run is three files; the meta records the other two's bytes and sha25
     optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, weights_only
     meta_step_N.json           the caller's meta + step, time, versions, model_config, files
 
-Each file goes to a temporary name (".NAME.tmp") and is fsynced; the data files are renamed into
-place, then the meta as the commit, fsyncing the directory after each rename. A kill at any instant
-leaves the earlier steps and all of the new one or nothing that counts. One process writes a
-directory, holding lock(dir); any number may read. A model sharded with FSDP is saved and loaded
-as full tensors, so its files are any run's: every rank calls save (the gather is collective) and
-rank 0 writes; every rank calls load. A step counts when its files have the sizes its
-meta records; load checks their sha256 too, before it changes anything. A step that fails is
-reported and skipped (load_latest falls back to an older one), never deleted.
+Each file is written to ".NAME.tmp" and fsynced, the data files are renamed into place, then the
+meta as the commit: a kill at any instant leaves the new step whole or not counting. A step counts
+when its files have the sizes its meta records; load checks their sha256 too, before it changes
+anything; a step that fails is reported and skipped, never deleted. A model sharded with FSDP is
+saved and loaded as full tensors (every rank calls save and load, rank 0 writes): any run reads it.
 """
 import dataclasses
 import errno
@@ -45,11 +42,11 @@ class CheckpointError(Exception):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A step's files cannot be trusted (hash mismatch, unreadable): load_latest tries older ones."""
+    """A step's files cannot be trusted (hash mismatch, unreadable): newest() tries older ones."""
 
 
 class IncompleteCheckpoint(CheckpointError):
-    """A file of the step is missing: a save cut short, or one deleted by retention as it is read."""
+    """A file of the step is missing: a save cut short, or one retention deleted as it was read."""
 
 
 class ModelMismatch(CheckpointError):
@@ -79,46 +76,35 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
     three paths (None on the other ranks of a sharded model). keep_last=K then deletes all but the K
     highest steps, never the one just written nor one that fails to verify."""
-    if type(step) is not int or step < 0:  # another type would make a name list_steps never finds
-        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
-    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-        raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
     module = _unwrap(model)
     versions = {m.__name__: m.__version__ for m in (torch, np, safetensors)}
-    versions["python"] = platform.python_version()
-    meta = dict(meta or {}, step=step, time=time.time(), versions=versions)
+    meta = dict(meta or {}, step=step, time=time.time(),
+                versions=dict(versions, python=platform.python_version()))
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
-    _check_json(meta, "meta")
+    _check(meta, "meta", json=True)
     tensors, optimizer_state = _full_state(module, optimizer)
     if tensors is None:  # a rank of a sharded model, which has sent its shards to rank 0
         return None
-    tensors = _independent(tensors)
-    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
-    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
-    rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
-    optim = {"optimizer": optimizer_state, "rng": rng}
-    _check_plain(optim, "optimizer file")
-
-    d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
-    tmp = {name: d / f".{name}.tmp" for name in _names(step)}  # never a step's name
-    writers = {model_name: lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"}),
-               optim_name: lambda p: torch.save(optim, p)}
+    optim = {"optimizer": optimizer_state, "rng": _rng_state()}
+    _check(optim, "optimizer file")
+    d, names = Path(dir), _names(step)
+    tmp = {name: d / f".{name}.tmp" for name in names}  # never a step's name
+    writers = [lambda p: safetensors.torch.save_file(_independent(tensors), p, {"format": "pt"}),
+               lambda p: torch.save(optim, p)]
     committed = False
     try:
         d.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(d)
         with ThreadPoolExecutor(2) as pool:  # independent files; writing and hashing free the GIL
-            meta["files"] = dict(zip(writers, pool.map(_write, map(tmp.get, writers), writers.values())))
-        _write(tmp[meta_name], lambda p: p.write_text(json.dumps(meta, indent=2)))
-        if (d / meta_name).exists():  # re-saving: un-commit, no crash pairs old meta, new data
-            (d / meta_name).unlink()
+            meta["files"] = dict(zip(names, pool.map(_write, map(tmp.get, names), writers)))
+        _write(tmp[names[2]], lambda p: p.write_text(json.dumps(meta, indent=2)))
+        if (d / names[2]).exists():  # re-saving: un-commit, or a crash pairs old meta, new data
+            (d / names[2]).unlink()
             fsync(d)
-        for name in _names(step):  # the meta last, as the commit, once the data files are durable
+        for name in names:  # the meta last, as the commit, once the data files are durable
             os.replace(tmp[name], d / name)
-            committed = name == meta_name
+            committed = name == names[2]
             fsync(d)
     except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
         if committed:  # only the last fsync failed: the step is there, but may not outlive a crash
@@ -127,15 +113,15 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
                                   f"reports an error: check it before training on") from None
         for p in tmp.values():
             p.unlink(missing_ok=True)
-        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free there" if d.is_dir() else "no directory"
+        free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free" if d.is_dir() else "no directory"
         fix = ("The disk reports an I/O error: check it" if getattr(e, "errno", None) == errno.EIO
                else "Free space or fix permissions")
-        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free}): {e}. "
+        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free} there): {e}. "
                               f"{fix}; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))
     if keep_last is not None:
         _retain(d, keep_last, step)
-    return d / model_name, d / optim_name, d / meta_name
+    return tuple(d / name for name in names)
 
 
 def _unwrap(model):
@@ -146,11 +132,14 @@ def _unwrap(model):
     return _unwrap(inner) if wrapper else model
 
 
+def _sharded(module):
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def _full_state(module, optimizer):
-    # A model sharded by FSDP2 (its parameters are DTensors) sends each tensor in turn to rank 0's
-    # CPU, so no rank holds it all on its device. Its optimizer's state, keyed by parameter name,
-    # is stored by number as an unsharded one's is, so that any run reads it. Rank 0 gets both,
-    # the other ranks (None, None).
+    # FSDP2 sends each tensor in turn to rank 0's CPU, so that no rank holds it all on its device.
+    # Its optimizer's state, keyed by parameter name, is stored by number as an unsharded one's
+    # is, so that any run reads it. Rank 0 gets both, the other ranks (None, None).
     if not _sharded(module):
         return module.state_dict(), optimizer and optimizer.state_dict()
     tensors = dcp.get_model_state_dict(module, options=FULL)
@@ -159,10 +148,6 @@ def _full_state(module, optimizer):
         return None, None
     names = [name for group in state["param_groups"] for name in group["params"]] if state else []
     return tensors, state and _rekey(state, {name: i for i, name in enumerate(names)})
-
-
-def _sharded(module):
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _rekey(state, key):  # an optimizer's state dict, its parameters renamed by `key`
@@ -180,26 +165,42 @@ def _independent(state):
     return out
 
 
-def _check_json(x, where):
-    # json.dumps would quietly turn int keys into strings and write NaN (not JSON): refused now,
-    # not at the resume that could not read it
-    if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(isinstance(k, str) for k in x):
+def _rng_state():
+    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    keys = ["name", "keys", "pos", "has_gauss", "cached_gaussian"]  # np.random.get_state()'s
+    numpy = dict(zip(keys, np.random.get_state()))
+    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(),
+            "numpy": numpy}
+
+
+def _set_rng(rng, scratch=False):
+    # scratch=True: into new generators, to try the states a file holds before anything changes
+    cpu, python, numpy = (torch.Generator(), random.Random(), np.random.RandomState()) if scratch \
+        else (torch.default_generator, random, np.random)
+    cpu.set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
+    python.setstate(rng["python"])
+    numpy.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
+    if not scratch and rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
+
+
+def _check(x, where, json=False):
+    # refused at the save, not at the resume that cannot read it: what weights_only=True does not
+    # unpickle (it takes tensors and plain values), or (json) what JSON does not hold exactly:
+    # json.dumps would quietly turn int keys into strings and write NaN
+    plain = (str, int) if json else (str, int, float, torch.Tensor, torch.dtype, torch.device)
+    leaf = lambda x: x is None or isinstance(x, plain) or (  # noqa: E731
+        json and isinstance(x, float) and math.isfinite(x))
+    if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(
+            isinstance(k, str) if json else leaf(k) for k in x):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
-            _check_json(v, f"{where}[{k!r}]")
-    elif not (x is None or isinstance(x, (str, int)) or isinstance(x, float) and math.isfinite(x)):
-        raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which JSON cannot "
-                              f"hold exactly; store plain values (finite floats, str keys)")
-
-
-def _check_plain(x, where):
-    # weights_only=True unpickles tensors and plain values only: anything else is refused now
-    if type(x) in (list, tuple, dict):
-        for k, v in x.items() if type(x) is dict else enumerate(x):
-            _check_plain(k, f"{where} key")
-            _check_plain(v, f"{where}[{k!r}]")
-    elif not (x is None or isinstance(x, (str, int, float, torch.Tensor, torch.dtype, torch.device,
-                                          torch.Size))):
-        raise CheckpointError(f"{where}: {type(x).__name__} {str(x)[:60]} fails weights_only=True")
+            _check(v, f"{where}[{k!r}]", json)
+    elif not leaf(x):
+        raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which " + (
+            "JSON cannot hold exactly; store plain values (finite floats, str keys)" if json else
+            "torch.load(weights_only=True) refuses; store tensors and plain values"))
 
 
 def _write(tmp, write):
@@ -214,7 +215,8 @@ def _write(tmp, write):
 def _remove_leftovers(d):
     # What killed saves and retentions leave: temporary files, and the data files of a step without
     # a meta. Only the one writer of d calls this, so none of it can be a save in progress.
-    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps) for p in ps]
+    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps)
+               for p in ps]
     for p in orphans + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
         p.unlink()
 
@@ -227,7 +229,7 @@ def _retain(d, keep_last, just_written):
             except CheckpointError as e:
                 warnings.warn(f"retention keeps {e}", stacklevel=3)
                 continue
-        for name in reversed(_names(step)):  # meta first: the step stops counting, then its data goes
+        for name in reversed(_names(step)):  # meta first: the step stops counting, then the data go
             (d / name).unlink(missing_ok=True)
 
 
@@ -246,7 +248,7 @@ def lock(dir):
     except (FileExistsError, NotADirectoryError):  # (what mkdir and open say of a file there)
         raise CheckpointError(f"{d} is a file (or lies under one), not a directory; use another "
                               f"directory") from None
-    except OSError as e:
+    except OSError as e:  # (a file system without locks, say)
         raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
                               f"permissions") from None
     f.truncate(0)
@@ -284,68 +286,42 @@ def latest_step(dir):
 
 def read_meta(dir, step, verify=False):
     """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
-    d, (model_name, optim_name, meta_name) = Path(dir), _names(step)
-    if not any((d / name).exists() for name in _names(step)):
+    d, names, where = Path(dir), _names(step), f"step {step} in {Path(dir)}"
+    if not any((d / name).exists() for name in names):
         steps = list_steps(d) or "none"
         raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: {steps}")
-    where = f"step {step} in {d}"
     try:
-        meta = json.loads((d / meta_name).read_text())
-        # (a KeyError: the meta of another step, or not a meta at all)
-        hashes = {name: meta["files"][name]["sha256"] for name in (model_name, optim_name)}
-        for name in hashes:
-            if (size := (d / name).stat().st_size) != (want := meta["files"][name]["bytes"]):
-                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {meta_name} "
-                                      f"says {want}")
+        meta = json.loads((d / names[2]).read_text())
+        files = {name: meta["files"][name] for name in names[:2]}  # (KeyError: not this step's)
+        for name, want in files.items():
+            if (size := (d / name).stat().st_size) != want["bytes"]:
+                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {names[2]} "
+                                      f"says {want['bytes']}")
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
-            found = dict(zip(hashes, pool.map(sha256, [d / n for n in hashes] if verify else [])))
-    except FileNotFoundError as e:  # also when retention removes one as we look: readers do not lock
-        raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is missing") from None
+            found = dict(zip(files, pool.map(sha256, [d / n for n in files] if verify else [])))
+    except FileNotFoundError as e:  # also as retention removes one: readers take no lock
+        raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is "
+                                   "missing") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where} is unreadable: {d / meta_name} is not a valid meta file "
+        raise CheckpointError(f"{where} is unreadable: {d / names[2]} is not a valid meta file "
                               f"({e})") from None
-    for name in found:
-        if found[name] != hashes[name]:
-            raise CorruptCheckpoint(f"checkpoint step {step}: {d / name} is corrupt (sha256 mismatch)")
+    if bad := [name for name in found if found[name] != files[name]["sha256"]]:
+        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 "
+                                "mismatch)")
     return meta
 
 
-def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
+def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
     """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything
     changes; return its meta. strict=False loads the keys both have; restore_rng=True restores the
-    torch, CUDA, Python and NumPy RNGs."""
-    d, module, (model_name, optim_name, _) = Path(dir), _unwrap(model), _names(step)
+    torch, CUDA, Python and NumPy RNGs. Read to the CPU, the tensors are copied to the model's
+    device (load_state_dict moves an optimizer's state to its parameters' too)."""
+    d, module = Path(dir), _unwrap(model)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
-    path, sharded = d / model_name, _sharded(module)  # (path: the file being parsed, for errors)
-    try:
-        tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
-        path = d / optim_name  # (sharded: kept on the CPU, each rank takes its shard from there)
-        state = torch.load(path, map_location="cpu" if sharded else map_location, weights_only=True)
-        _check_state(state)
-    except FileNotFoundError:  # hashed a moment ago: deleted since
-        raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
-    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
-            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
-        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
-                                f"({str(e)[:200]})") from None
-    own, diffs, saved, absent = module.state_dict(), [], meta.get("model_config"), "<absent>"
-    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
-        # a field newer than the checkpoint counts as its default: older checkpoints keep loading
-        new = {f.name: f.default for f in dataclasses.fields(live) if f.default is not dataclasses.MISSING}
-        live = json.loads(json.dumps(dataclasses.asdict(live), default=repr))  # tuples -> lists
-        saved = {**json.loads(json.dumps(new, default=repr)), **saved}
-        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
-                 for k in sorted(saved.keys() | live.keys()) if saved.get(k, absent) != live.get(k, absent)]
-    diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]
-    diffs += [f"{k}: not in the model" for k in sorted(tensors.keys() - own.keys())]
-    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
-              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
-    if shapes or (diffs and strict):  # a shape that differs is an error even with strict=False
-        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
-    if diffs:
-        warnings.warn(f"{where} is from another model, loading the keys both have: "
-                      f"{'; '.join(diffs)}", stacklevel=2)
-    if optimizer is not None:
+    tensors, state = _read(d, step, where)
+    _check_fit(module, meta.get("model_config"), tensors, strict, where)
+    sharded = _sharded(module)
+    if optimizer is not None:  # before the model, which then changes only if both fit
         if state["optimizer"] is None:
             raise CheckpointError(f"{where} was saved without optimizer state")
         try:
@@ -357,31 +333,60 @@ def load(dir, step, model, optimizer=None, map_location="cpu", strict=True, rest
             else:
                 optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: {e}") from None
+            raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: "
+                                  f"{e}") from None
     if sharded:  # every rank keeps its shards of the full tensors
         dcp.set_model_state_dict(module, tensors, options=FULL)
     else:
         module.load_state_dict(tensors, strict=False)  # copies in place: tied parameters stay tied
-    if restore_rng:  # the setters want CPU byte tensors, wherever map_location put them
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"].cpu())
-        random.setstate(rng["python"])
-        np.random.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
+    if restore_rng:
+        _set_rng(state["rng"])
     return meta
 
 
-def _check_state(state):
-    # a file whose hash matches may hold another structure than save()'s (written by hand, or by
-    # another tool): each RNG state is tried on a scratch generator, before anything changes
-    rng = state["rng"]
-    if not isinstance(state["optimizer"], (dict, type(None))) or not isinstance(rng["cuda"], (
-            torch.Tensor, type(None))):
-        raise TypeError("expected {'optimizer': a state dict or None, 'rng': RNG states}")
-    torch.Generator().set_state(rng["torch"].cpu())
-    random.Random().setstate(rng["python"])
-    np.random.RandomState().set_state(tuple(rng["numpy"].values()))
+def _read(d, step, where):
+    # A file whose hash matches may hold another structure than save()'s (written by hand, or by
+    # another tool): both files are parsed, and the RNG states tried, before anything changes.
+    path = d / _names(step)[0]  # (the file being parsed, for errors)
+    try:
+        tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
+        path = d / _names(step)[1]
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state["optimizer"], (dict, type(None))) or not isinstance(
+                state["rng"]["cuda"], (torch.Tensor, type(None))):
+            raise TypeError("expected {'optimizer': a state dict or None, 'rng': RNG states}")
+        _set_rng(state["rng"], scratch=True)
+    except FileNotFoundError:  # hashed a moment ago: deleted since
+        raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
+    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
+            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
+        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
+                                f"({str(e)[:200]})") from None
+    return tensors, state
+
+
+def _check_fit(module, saved, tensors, strict, where):
+    # config, keys and shapes must agree; with strict=False the shapes only (loading the keys both
+    # have). A config field newer than the checkpoint counts as its default, so that older
+    # checkpoints keep loading; tuples compare as the lists JSON gives back.
+    own, diffs, absent = module.state_dict(), [], "<absent>"
+    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
+        plain = lambda x: json.loads(json.dumps(x, default=repr))  # noqa: E731
+        new = {f.name: f.default for f in dataclasses.fields(live)
+               if f.default is not dataclasses.MISSING}
+        live, saved = plain(dataclasses.asdict(live)), {**plain(new), **saved}
+        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
+                 for k in sorted(saved.keys() | live.keys())
+                 if saved.get(k, absent) != live.get(k, absent)]
+    diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]
+    diffs += [f"{k}: not in the model" for k in sorted(tensors.keys() - own.keys())]
+    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
+              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
+    if shapes or (diffs and strict):
+        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
+    if diffs:
+        warnings.warn(f"{where} is from another model, loading the keys both have: "
+                      f"{'; '.join(diffs)}", stacklevel=3)
 
 
 def newest(dir, load_step):
@@ -402,9 +407,8 @@ def newest(dir, load_step):
     return None, None
 
 
-def load_latest(dir, model, optimizer=None, map_location="cpu", strict=True, restore_rng=False):
+def load_latest(dir, model, optimizer=None, strict=True, restore_rng=False):
     """Load the newest step that verifies: (step, meta), or (None, None). A corrupt or vanished step
-    falls back (see newest); a step that does not fit the model is an error (older ones would not
+    falls back (see newest); one that does not fit the model is an error (older ones would not
     either)."""
-    return newest(dir, lambda step: load(dir, step, model, optimizer, map_location, strict,
-                                          restore_rng))
+    return newest(dir, lambda step: load(dir, step, model, optimizer, strict, restore_rng))

@@ -8,9 +8,8 @@ directory, or a run directory, back for `train.py --init-from`; load_model() reb
 run directory's checkpoint (for sample.py, the export and --init-from).
 
 The official Mamba3 layer with the output norm off is our mixer (the same in_proj layout and math;
-MIMO with is_mimo and mimo_rank R, our mimo_rank R > 1), its blocks are ours (pre-norm RMSNorm,
-mixer, RMSNorm, gated MLP) and its head is tied. What differs is names and the packing of a few
-tensors:
+MIMO with is_mimo and mimo_rank R), its blocks are ours and its head is tied. What differs is names
+and the packing of a few tensors:
 
     ours                    official                               change
     embed.weight (V64, D)   backbone.embedding.weight, lm_head.weight  vocab_size rows, tied
@@ -22,20 +21,11 @@ tensors:
     blocks.i.mlp.down       backbone.layers.i.mlp.fc2
     norm_f                  backbone.norm_f
 
-Two more for MIMO. Our chunk_size counts rows, the official one tokens: theirs is ours / R. And the
-official MIMO kernel rotates state dim n with n + N/2 (n below the number of angles) where we rotate
-(2n, 2n + 1), as its SISO kernel does: a fixed permutation of the N state dims (halves()), which
-leaves the layer's function unchanged when it is applied to everything indexed by them: the B and C
-rows of in_proj, their norm weights and their biases. An official MIMO layer of rank 1 comes in as
-SISO, its mimo_x, mimo_z and mimo_o folded into in_proj's x and z rows and out_proj's columns.
-
-What the official modules cannot rebuild exactly is refused: an MLP hidden size that is not a
-multiple of 128 (GatedMLP rounds it up), rope_fraction other than 0.5 or 1.0, an odd or zero number
-of rotary angles, a norm epsilon other than 1e-5, blocks with other tensors (another MLP in
-model.py, say). A model with reset_token is exported with a warning: the official model does not
-reset its state at EOS. The vocabulary is written unpadded (pad_vocab_size_multiple 1): the official
-model returns a logit for every row, and our never-trained padding rows would take probability from
-the real tokens in anything that takes a softmax over all of them (the harness, sampling).
+For MIMO, our chunk_size counts rows and the official one tokens (theirs is ours / R), and the
+official kernel rotates state dim n with n + N/2 where we rotate (2n, 2n + 1): a fixed permutation
+of the state dims (halves()) of everything indexed by them. An official MIMO layer of rank 1 comes
+in as SISO, its mimo_x, mimo_z and mimo_o folded into in_proj and out_proj. What the official
+modules cannot rebuild exactly is refused (official_config, official_state_dict).
 """
 import dataclasses
 import json
@@ -59,8 +49,7 @@ MARKER = "mamba3_lite.json"  # marks an export (the next may replace it); our co
 FILES = {"config.json", "pytorch_model.bin", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "README.md", MARKER}  # an export's own: the rest is the user's
 MLP_MULTIPLE, NORM_EPS = 128, 1e-5  # GatedMLP rounds its hidden size up to the first; RMSNorm's eps
-# MambaConfig's fields and Mamba3's arguments with their official defaults, for config.json files
-# that leave some out
+# MambaConfig's fields and Mamba3's arguments with their defaults, for config.json files without
 CONFIG_DEFAULTS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
                        residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
                        tie_embeddings=True)
@@ -68,12 +57,11 @@ MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fracti
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
 MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
-# no effect here (mimo_rank: read only with is_mimo; fuse_pregate_headwise_norm: only with the
-# output norm)
+# no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
-MIXER_NAMES = [("in_proj.weight", "in_proj.weight"), ("dt_bias", "dt_bias"), ("B_bias", "B_bias"),
-               ("C_bias", "C_bias"), ("B_norm_weight", "B_norm.weight"), ("C_norm_weight",
-               "C_norm.weight"), ("D", "D"), ("out_proj.weight", "out_proj.weight")]
+# the mixer's tensors in our names; the official ones are the same but B_norm.weight, C_norm.weight
+MIXER_NAMES = ["in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
+               "D", "out_proj.weight"]
 MIMO_NAMES = ["mimo_x", "mimo_z", "mimo_o"]  # MIMO's own, the same names both ways
 
 # -----------------------------------------------------------------------------
@@ -100,11 +88,13 @@ def official_config(cfg) -> dict:
                         f"at {NORM_EPS}")
     if problems:
         raise CheckpointError("; ".join(problems))
-    mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
+    mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
     ssm_cfg = {"layer": "Mamba3", **mixer, "chunk_size": cfg.chunk_tokens,
                "is_outproj_norm": False, "is_mimo": bool(mimo), **mimo}
-    # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one kernel
+    # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one
+    # kernel. Unpadded vocabulary: the official model returns a logit for every row, and our
+    # never-trained padding rows would take probability from the real tokens in a softmax.
     return dict(d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden, n_layer=cfg.n_layer,
                 vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={},
                 rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
@@ -112,9 +102,8 @@ def official_config(cfg) -> dict:
 
 
 def config_from_official(config: dict, where) -> dict:
-    """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` for a
-    missing or unknown field and for what our model cannot be (other layers, the output norm,
-    attention, LayerNorm, an untied head)."""
+    """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` lists
+    a missing or unknown field and what our model cannot be."""
     core = {"d_model", "n_layer", "vocab_size", "ssm_cfg"}
     missing = sorted(core - config.keys())
     unknown = sorted(config.keys() - CONFIG_DEFAULTS.keys() - core)
@@ -148,30 +137,25 @@ def config_from_official(config: dict, where) -> dict:
 
 
 def _name_pairs(cfg, mimo=False):
-    """(our key, official key) of every tensor that keeps its values (fc1, lm_head are special);
-    with the MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)."""
-    mixer = MIXER_NAMES + [(n, n) for n in MIMO_NAMES] * (mimo or cfg.mimo_rank > 1)
+    # (our key, official key) of every tensor that keeps its values (not fc1, lm_head); with the
+    # MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)
+    mixer = MIXER_NAMES + MIMO_NAMES * (mimo or cfg.mimo_rank > 1)
     pairs = [("embed.weight", "backbone.embedding.weight"),
              ("norm_f.weight", "backbone.norm_f.weight")]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"backbone.layers.{i}."
         pairs += [(ours + "norm1.weight", theirs + "norm.weight")]
-        pairs += [(ours + "mixer." + a, theirs + "mixer." + b) for a, b in mixer]
+        pairs += [(f"{ours}mixer.{a}", f"{theirs}mixer.{a.replace('norm_w', 'norm.w')}")
+                  for a in mixer]
         if cfg.mlp_hidden:
             pairs += [(ours + "norm2.weight", theirs + "norm2.weight"),
                       (ours + "mlp.down.weight", theirs + "mlp.fc2.weight")]
     return pairs
 
 
-def _fc1(cfg):
-    # official fc1 = [up; gate], and our two halves, per layer
+def _fc1(cfg):  # official fc1 = [up; gate], and our two halves, per layer
     return [(f"backbone.layers.{i}.mlp.fc1.weight", f"blocks.{i}.mlp.up.weight",
              f"blocks.{i}.mlp.gate.weight") for i in range(cfg.n_layer if cfg.mlp_hidden else 0)]
-
-
-def _per_block(keys):
-    # blocks.0.mlp.fc.weight, blocks.1.mlp.fc.weight, ... -> blocks.N.mlp.fc.weight
-    return ", ".join(sorted({re.sub(r"^blocks\.\d+\.", "blocks.N.", k) for k in keys})) or "nothing"
 
 
 def halves(cfg):
@@ -184,9 +168,8 @@ def halves(cfg):
 
 
 def _reorder_state_dims(state, cfg, order):
-    """Our state dict (a new dict) with every mixer's state dims taken in `order` (halves(cfg) to
-    the official MIMO layout, its argsort back): the B and C rows of in_proj, B and C's norm
-    weights and biases."""
+    # our state dict (a new dict) with every mixer's state dims taken in `order`: the B and C rows
+    # of in_proj, B and C's norm weights and biases
     H, P, N, G, R = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.mimo_rank
     lo, hi = 2 * H * P, 2 * H * P + 2 * R * G * N  # in_proj's B | C rows: R x G blocks of N each
     state = dict(state)
@@ -201,9 +184,8 @@ def _reorder_state_dims(state, cfg, order):
 
 
 def _fold_rank_one(state, vectors, cfg):
-    """Official MIMO layers of rank 1 as our SISO ones (state in our names, changed in place; the
-    vectors mimo_x, _z, _o by our names): v = x * mimo_x and z * mimo_z are in_proj's x and z rows
-    scaled, mimo_o * y is out_proj's columns scaled."""
+    # official MIMO layers of rank 1 as our SISO ones (in place, our names): v = x * mimo_x and
+    # z * mimo_z are in_proj's x and z rows scaled, mimo_o * y is out_proj's columns scaled
     HP = cfg.n_heads * cfg.headdim
     for i in range(cfg.n_layer):
         m = f"blocks.{i}.mixer."
@@ -217,15 +199,16 @@ def _fold_rank_one(state, vectors, cfg):
 
 def official_state_dict(state, cfg) -> dict:
     """Our state dict -> the official one: the embedding without its padding rows, tied to lm_head;
-    MIMO's state dims in the official kernel's order. A model whose tensors differ from ours
-    (another MLP in model.py, say) is a CheckpointError that names what the official blocks cannot
-    hold and what they need."""
+    MIMO's state dims in the official kernel's order. Tensors the official blocks cannot hold
+    (another MLP in model.py, say) are a CheckpointError that names them."""
     ours = {a for a, _ in _name_pairs(cfg)} | {k for _, *ks in _fc1(cfg) for k in ks}
     extra, lacking = state.keys() - ours - {"lm_head.weight"}, ours - state.keys()
-    if extra or lacking:
+    if extra or lacking:  # blocks.0.mlp.fc.weight, blocks.1.mlp.fc.weight -> blocks.N.mlp.fc.weight
+        extra, lacking = (", ".join(sorted({re.sub(r"^blocks\.\d+\.", "blocks.N.", k) for k in ks}))
+                          or "nothing" for ks in (extra, lacking))
         raise CheckpointError("the official blocks hold RMSNorm, the Mamba3 mixer, RMSNorm and a "
                               "gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot "
-                              f"hold {_per_block(extra)}; they need {_per_block(lacking)}")
+                              f"hold {extra}; they need {lacking}")
     if cfg.mimo_rank > 1:
         state = _reorder_state_dims(state, cfg, halves(cfg))
     out = {theirs: state[ours].clone() for ours, theirs in _name_pairs(cfg)}
@@ -244,9 +227,8 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     or of rank 1. Padding rows beyond the vocabulary are zeros: no token uses them."""
     fold = mimo and cfg.mimo_rank == 1
     expected = {k for _, k in _name_pairs(cfg, fold)} | {fc1 for fc1, *_ in _fc1(cfg)}
-    expected.add("lm_head.weight")
-    missing = sorted(expected - state.keys() - {"lm_head.weight"})
-    unexpected = sorted(state.keys() - expected)
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected - {"lm_head.weight"})
     if missing or unexpected:
         raise CheckpointError(f"{where} does not fit its config.json: missing {missing or 'none'}; "
                               f"unexpected {unexpected or 'none'}")
@@ -285,8 +267,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
 
 def load_model(run_dir, step=None):
     """(model in eval mode, meta, step) rebuilt from a checkpoint of a train.py run directory: its
-    config from the meta, then the weights. Without a step, the newest that verifies (a corrupt one,
-    or one deleted as it is read by the retention of a run writing there, is passed over)."""
+    config from the meta, then the weights; without a step, the newest that loads (ckpt.newest)."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
@@ -294,16 +275,15 @@ def load_model(run_dir, step=None):
 
     def build(s):  # the model the meta of step s describes, with its weights
         try:
-            meta = ckpt.read_meta(run_dir, s)
-            if not isinstance(meta.get("model_config"), dict):
+            config = ckpt.read_meta(run_dir, s).get("model_config")
+            if not isinstance(config, dict):
                 raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
                                       "not a mamba3-lite model")
             # (a field an older version saved and this one dropped is passed over)
-            model = Mamba3LM(ModelConfig(**{k: v for k, v in meta["model_config"].items()
-                                            if k in fields}))
+            model = Mamba3LM(ModelConfig(**{k: v for k, v in config.items() if k in fields}))
             return model.eval(), ckpt.load(run_dir, s, model)
         except CheckpointError as e:
-            errors.append(e)
+            errors.append(e)  # the last one is the error if no step loads
             raise
 
     if step is not None:
@@ -318,8 +298,8 @@ def load_model(run_dir, step=None):
 
 def check_impl(model):
     """Refuse a MAMBA3_IMPL that cannot run here (a name kernels.py does not know, triton on a CPU
-    without Triton's interpreter) in one sentence, before a command writes anything: kernels.py reads
-    the variable only when the scan runs, so the scan is run now, on two tokens."""
+    without Triton's interpreter) in one sentence, before a command writes anything: kernels.py
+    reads the variable only when the scan runs, so the scan is run now, on two tokens."""
     if impl := os.environ.get("MAMBA3_IMPL"):
         try:
             with torch.no_grad():
@@ -329,10 +309,9 @@ def check_impl(model):
 
 
 def read_pretrained(path):
-    """Weights to start from: (ModelConfig fields, state dict in our names, tokenizer spec or None).
-    `path` is a train.py run directory (its newest step that verifies) or a directory in the
-    official format (an export, or anyone's Mamba-3 SISO checkpoint: config.json with
-    model.safetensors or pytorch_model.bin)."""
+    """Weights to start from: (ModelConfig fields, state dict in our names, tokenizer spec or None)
+    of a train.py run directory (its newest step that verifies) or of a directory in the official
+    format (an export, or anyone's Mamba-3 checkpoint)."""
     p = Path(path)
     if p.is_dir() and ckpt.step_files(p):
         model, meta, _ = load_model(p)
@@ -382,16 +361,16 @@ def byte_tokenizer_json() -> str:
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
+    tok.add_special_tokens([data.EOS_TEXT])
     return tok.to_str()
 
 
 def _tokenizer_files(spec, run_dir):
-    """{name: bytes} so that AutoTokenizer loads the export as the run's tokenizer; none for GPT-2
-    (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer."""
+    # {name: bytes} so that AutoTokenizer loads the export as the run's tokenizer; none for GPT-2
+    # (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer
     name = (spec or {}).get("name")
     if name == "byte":
-        tokenizer, eos = byte_tokenizer_json().encode(), "<|endoftext|>"
+        tokenizer, eos = byte_tokenizer_json().encode(), data.EOS_TEXT
     elif name == "file":
         path = Path(run_dir) / spec["file"]
         if not path.is_file() or spec.get("sha256") and data.sha256(path) != spec["sha256"]:
@@ -417,10 +396,8 @@ def usage(out, marker):
     command = (f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={tokenizer},"
                f"dtype=float32 --tasks lambada_openai,hellaswag,piqa,arc_easy --device cuda "
                f"--batch_size 16")
-    notes = []
-    if tokenizer == "TOKENIZER":
-        notes.append("the run recorded no tokenizer: replace TOKENIZER by the Hugging Face "
-                     "tokenizer that made its ids")
+    notes = ["the run recorded no tokenizer: replace TOKENIZER by the Hugging Face tokenizer that "
+             "made its ids"] if tokenizer == "TOKENIZER" else []
     if cfg.get("reset_token") is not None:
         notes.append(f"this model resets its state after token {cfg['reset_token']} (reset_token), "
                      "but the official model does not reset at EOS: give it one document per "
@@ -430,12 +407,9 @@ def usage(out, marker):
 
 def export(run_dir, out_dir, step=None) -> Path:
     """Write checkpoint `step` of a train.py run directory (default: its newest step that verifies)
-    into `out_dir` in the official format; returns out_dir. Refused with a CheckpointError naming
-    the path before anything is written: no complete checkpoint, a step that does not verify, what
-    the format cannot express, a missing tokenizer file, an out_dir that is neither new, empty, nor
-    an earlier export. data.replace_dir does the writing: the new export is built beside the old one
-    and swapped in whole, files a user added to the old one are kept, what a killed export left is
-    finished or undone first (under a lock, `.OUT_DIR.lock` beside it)."""
+    into `out_dir` in the official format; returns out_dir. What cannot be exported is refused
+    before anything is written, as an out_dir that is neither new, empty, nor an earlier export;
+    the new export replaces the old one whole, keeping files a user added (data.replace_dir)."""
     run_dir, out = Path(run_dir), Path(out_dir)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MARKER).is_file())):
         raise CheckpointError(f"{out} exists and is not an earlier export (it has no {MARKER}); "
@@ -463,7 +437,8 @@ def export(run_dir, out_dir, step=None) -> Path:
 
     def fill(stage):
         torch.save(state, stage / "pytorch_model.bin")
-        untied = {k: v.clone() for k, v in state.items()}  # safetensors refuses tied tensors
+        # safetensors refuses tied tensors: lm_head.weight is the embedding's
+        untied = dict(state, **{"lm_head.weight": state["lm_head.weight"].clone()})
         safetensors.torch.save_file(untied, stage / "model.safetensors", metadata={"format": "pt"})
         (stage / "model.safetensors").chmod(ckpt.FILE_MODE)  # (safetensors' own is 0600)
         for name, blob in files.items():
@@ -505,15 +480,12 @@ def export_main(
         out = export(run_dir, out_dir, step)
     marker = json.loads((out / MARKER).read_text())
     load, command, notes = usage(out, marker)
-    console = Console(highlight=False)
-    names = ", ".join(sorted(p.name for p in out.iterdir()))
-    console.print(f"exported {run_dir} step {marker['step']} to {out}: {names}", markup=False,
-                  soft_wrap=True)
-    console.print(f"  load      {load}\n  evaluate  {command}", markup=False, soft_wrap=True)
+    console, names = Console(highlight=False), ", ".join(sorted(p.name for p in out.iterdir()))
+    console.print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
+                  f"  load      {load}\n  evaluate  {command}", markup=False, soft_wrap=True)
     for n in notes:
-        Console(stderr=True, highlight=False).print("[bold yellow]warning:[/bold yellow] "
-                                                    f"{escape(n)}",
-                                                    soft_wrap=True)
+        Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/bold yellow] "
+                                                    f"{escape(n)}", soft_wrap=True)
 
 
 if __name__ == "__main__":

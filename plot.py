@@ -4,10 +4,10 @@
     python plot.py runs/small runs/tiny --out cmp.png    # several, overlaid, named by directory
 
 A run directory is a train.py --out-dir: metrics.jsonl holds one JSON object per line ("kind"
-train, eval or event, and the "step"), each train and eval record the "tokens" seen (older runs'
-records do not: then config.json's total_batch_size, the tokens per step, gives them). A resumed
-run can log the same step twice (the steps redone after a crash): the later record wins. Drawn with
-matplotlib's Agg backend, so no display is needed.
+train, eval or event, and the "step"), train and eval records with the "tokens" seen (for older
+runs' records, config.json's total_batch_size, the tokens per step, gives them). A resumed run can
+log a step twice (the steps redone after a crash): the later record wins. Drawn with matplotlib's
+Agg backend, so no display is needed.
 """
 import json
 from pathlib import Path
@@ -47,10 +47,11 @@ def read_metrics(run_dir: Path) -> dict:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found invalid "
-                                f"JSON ({e})") from None
+                raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found "
+                                f"invalid JSON ({e})") from None
             kind = rec.get("kind") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or kind in by_step and not isinstance(rec.get("step"), int):
+            has_step = kind not in by_step or isinstance(rec.get("step"), int)
+            if not isinstance(rec, dict) or not has_step:
                 raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
                                 f"with an integer step), found {line[:80]!r}")
             if kind in by_step:
@@ -124,8 +125,8 @@ def main(
                             f"directory {out.parent}")
         formats = FigureCanvasBase.get_supported_filetypes()
         if out.suffix[1:].lower() not in formats:
-            raise PlotError(f"--out {out}: expected an image suffix ({', '.join(sorted(formats))}), "
-                            f"found {out.suffix or 'none'}")
+            raise PlotError(f"--out {out}: expected an image suffix "
+                            f"({', '.join(sorted(formats))}), found {out.suffix or 'none'}")
         names = [p.resolve().name for p in run_dirs]
         if len(set(names)) < len(names):  # runs/a/out and runs/b/out: the paths tell them apart
             names = [str(p) for p in run_dirs]

@@ -19,9 +19,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
 
 
 def stream_text(tokens, tokenizer, out=None):
-    """Print the text of `tokens` (model.stream's) as they come; returns their ids. Stops at the
-    end-of-text token. Text is printed up to the last whole character, so that a multi-byte
-    character split across tokens shows once, whole."""
+    """Print the text of `tokens` (model.stream's) as they come, up to the end-of-text token;
+    returns their ids. A multi-byte character split across tokens shows once, whole."""
     out, ids, shown = out or sys.stdout, [], 0  # (sys.stdout now: a test may have replaced it)
     for token in tokens:
         if int(token[0]) == tokenizer.eos_id:
