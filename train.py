@@ -355,8 +355,7 @@ class NanGuard:
         return None
 
     def roll_back(self, model, optimizer, step, log):
-        device = next(model.parameters()).device
-        restored, _ = ckpt.load_latest(self.out, model, optimizer, map_location=device)
+        restored, _ = ckpt.load_latest(self.out, model, optimizer)
         if restored is None:
             raise TrainError(f"{self.streak} bad steps in a row at step {step} and no checkpoint "
                              f"in {self.out} to roll back to; lower --lr, check the data or raise "
@@ -538,7 +537,7 @@ def resume(cfg, model, optimizer, batches, log):
     """Load what --resume asks for (the data position into `batches`) and return its meta, or None
     for a fresh start. Steps newer than the one resumed (an abandoned branch, or ones that fail
     verification; with --overwrite, the old run) and their records are moved aside."""
-    out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
+    out, writes = Path(cfg.out_dir), log.path is not None
     if writes:
         finish_moves(out)  # what a run killed while moving steps aside left: done first
     files, step, meta = ckpt.step_files(out), None, None
@@ -549,11 +548,10 @@ def resume(cfg, model, optimizer, batches, log):
                          f"{out}/previous-TIME/")
     try:
         if cfg.resume == "auto":
-            step, meta = ckpt.load_latest(out, model, optimizer, map_location=device,
-                                          restore_rng=True)
+            step, meta = ckpt.load_latest(out, model, optimizer, restore_rng=True)
         elif cfg.resume != "never":
             step = int(cfg.resume)
-            meta = ckpt.load(out, step, model, optimizer, map_location=device, restore_rng=True)
+            meta = ckpt.load(out, step, model, optimizer, restore_rng=True)
     except ckpt.ModelMismatch as e:
         raise TrainError(f"{e.what}: resume with the --model, --vocab-size "
                          f"and --reset-at-eos it was trained with ({out}/config.json), or start "
