@@ -286,13 +286,15 @@ class TokenSource:
     """One token stream made of memory-mapped files, read without copying where possible.
 
     files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
-    position starts[k]. vocab_size, eos_id and tokenizer (the spec: load_tokenizer(source.tokenizer,
-    source.path)) are what a manifest records, None for raw sources.
+    position starts[k]. vocab_size, eos_id and tokenizer (a spec for load_tokenizer) come from
+    `manifest` when the format has one, else None; so does max_token_id, else a scan finds it.
     """
 
-    def __init__(self, path, files, dtype, max_token_id=None):
+    def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
         self.path, self.dtype = Path(path), np.dtype(dtype)
-        self.vocab_size = self.eos_id = self.tokenizer = None  # set by a manifest's opener
+        m = manifest or {}
+        self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in
+                                                        ("vocab_size", "eos_id", "tokenizer"))
         _raise_open_file_limit(len(files))
         self.files, self.tokens = [], []
         for f in map(Path, files):
@@ -306,17 +308,17 @@ class TokenSource:
                 # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
                 self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
         self.starts = [0, *itertools.accumulate(map(len, self.tokens))]
-        self.num_tokens = self.starts[-1]
+        self._starts, self.num_tokens = np.array(self.starts), self.starts[-1]  # (for searchsorted)
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        # A manifest's id range is trusted at first (so that a run starts at once), and each file
-        # is checked the first time it is read (check_vocab arms that); a raw source is scanned.
+        # A recorded id range is trusted at first, so that a run starts at once; check_on_read
+        # then has each file checked at its first read. A raw source is scanned instead.
         self.recorded = max_token_id is not None
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
     def id_range(self) -> tuple:
-        """(smallest, largest) token id: the manifest's record, else one vectorised scan."""
+        """(smallest, largest) token id."""
         if self._range is None:
             self._range = (int(min(t.min() for t in self.tokens)),
                            int(max(t.max() for t in self.tokens)))
@@ -331,8 +333,7 @@ class TokenSource:
         self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) in the source dtype: a view of the file when they lie in one,
-        else a copy of the pieces."""
+        """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
         pieces, k = [], bisect.bisect_right(self.starts, start) - 1
@@ -347,41 +348,35 @@ class TokenSource:
         source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
         int64: the conversion happens in the same pass as the copy)."""
         ids, n = np.asarray(ids), seq_len + 1
-        if len(self.tokens) == 1:
-            if self.unchecked:
-                self._check(0)
-            if seq_len not in self._rows:  # the windows as overlapping rows: one gather, a batch
+        begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
+        first = self._starts.searchsorted(begin, "right") - 1  # the file each window starts in
+        if self.unchecked:  # the files these windows touch, each checked at its first read
+            last = self._starts.searchsorted(begin + seq_len, "right")
+            for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first, last)))):
+                self._check(k)
+        if len(self.tokens) == 1:  # the windows as overlapping rows of the file: one gather
+            if seq_len not in self._rows:  # (a view, but 30 us to make: once)
                 self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
             if out is None:
                 return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
-        # Many files: a window's file is found among the first windows of the files (cached), and
-        # one concatenate of all the windows' pieces copies them, not a Python setitem each.
-        if seq_len not in self._rows:
-            self._rows[seq_len] = -(-np.array(self.starts) // seq_len)
-        first = self._rows[seq_len].searchsorted(ids, "right") - 1
-        if self.unchecked:  # the files these windows touch, checked at their first read
-            last = np.searchsorted(self.starts, (ids.astype(np.int64) + 1) * seq_len, "right")
-            for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first, last)))):
-                self._check(k)
-        pieces, starts, tokens = [], self.starts, self.tokens
-        for w, k in zip(ids.tolist(), first.tolist()):  # (Python ints: no wrap past 2**32 tokens)
-            lo = w * seq_len - starts[k]
-            pieces.append(piece := tokens[k][lo : lo + n])
+        # Many files: one concatenate of all the windows' pieces, not a Python setitem each
+        pieces = []
+        for lo, k in zip(begin.tolist(), first.tolist()):
+            pieces.append(piece := self.tokens[k][lo - self.starts[k] : lo - self.starts[k] + n])
             h = len(piece)
             while h < n:  # at a file's end the window runs on into the next file(s)
                 k += 1
-                pieces.append(piece := tokens[k][: n - h])
+                pieces.append(piece := self.tokens[k][: n - h])
                 h += len(piece)
         out = np.empty((len(ids), n), self.dtype) if out is None else out
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
     def _check(self, k):
-        # A shard changed after prepare.py wrote it (same size: only `prepare.py verify` would
-        # notice) must not reach the model as an index error deep in a step: one vectorised pass
-        # over each file, at its first read.
+        # A shard changed after prepare.py wrote it keeps its size (only `prepare.py verify` would
+        # notice): it must not reach the model as an index error deep in a step.
         tokens, V = self.tokens[k], self._vocab
         if tokens.max() >= V or tokens.min() < 0:
             i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
@@ -406,9 +401,8 @@ def _raise_open_file_limit(n_files: int):
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
-    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A
-    manifest's range is trusted now, and each file checked again the first time it is read: a shard
-    edited after prepare.py keeps its size, and the manifest cannot know."""
+    """Refuse a `source` with token ids outside [0, vocab_size): its recorded range now, and each
+    file again at its first read (a shard edited after prepare.py keeps its size)."""
     lo, hi = source.id_range()
     if lo < 0 or hi >= vocab_size:
         theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
@@ -500,10 +494,7 @@ def _prepared(p, split, dtype):
             raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
                             f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
                             f"verify {p}`")
-    source = TokenSource(p, files, m["dtype"], s["max_token_id"])
-    source.vocab_size, source.eos_id = m["vocab_size"], m["eos_id"]
-    source.tokenizer = m["tokenizer"]
-    return source
+    return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 
 def _shard_dir(p, split, dtype):
