@@ -23,6 +23,7 @@ shards) and sample.py (to read what a checkpoint was trained on) need the tokeni
 import bisect
 import codecs
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import itertools
@@ -37,6 +38,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -673,46 +675,57 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 # batches: epochs, global samples, ranks, blending, state
 
 
+@dataclasses.dataclass
+class BatchConfig:
+    """How the token streams are cut into micro-batches. seq_len, global_batch (the sequences of
+    one optimizer step over all ranks, a multiple of micro_batch * world_size; default one
+    micro-batch per rank) and seed define the sample sequence; micro_batch, rank and world_size
+    only which part of it this process takes, so a resume may change them."""
+    seq_len: int
+    micro_batch: int
+    global_batch: Optional[int] = None
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    prefetch: bool = False  # build the next micro-batch in a thread while the caller trains
+
+
 class Batches:
     """The endless sequence of this rank's micro-batches (see the module doc).
 
     Yields (x, y) for optimizer step s, micro-steps m = 0 .. accum_steps - 1 in turn: int64 tensors
     of shape (micro_batch, seq_len) on `device`, y[:, j] == x[:, j + 1]. Both are views of one
     (micro_batch, seq_len + 1) buffer (one copy of the tokens, one transfer to a GPU), so they are
-    not contiguous. global_batch, the sequences of an optimizer step over all ranks, is a multiple
-    of micro_batch * world_size; several sources are blended by `weights` (default equal); prefetch
-    builds the next micro-batch in a thread while the caller trains on this one.
+    not contiguous. Several sources are blended by `weights` (default equal).
 
     state_dict() is the count of consumed samples (and per source) and the settings that define the
     sequence. load_state_dict() accepts a state saved with another world_size or micro_batch
     (elastic resume) and refuses one saved with another global_batch, seq_len, seed or blend.
     """
 
-    def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0,
-                 weights=None, device="cpu", prefetch=False):
+    def __init__(self, sources, cfg: BatchConfig, weights=None):
         import torch
 
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
-        # plain ints: the state goes into a checkpoint's JSON
-        self.seq_len, self.micro_batch = int(seq_len), int(micro_batch)
-        self.global_batch = int(global_batch)
-        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
-        if not 0 <= rank < world_size:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank "
-                            f"{rank}")
-        per_step = micro_batch * world_size
-        if global_batch % per_step:
-            good = max(1, round(global_batch / per_step)) * per_step
+        B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
+        G = cfg.global_batch or B * world
+        self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
+        if not 0 <= cfg.rank < world:
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found rank "
+                            f"{cfg.rank}")
+        if G % (B * world):
+            good = max(1, round(G / (B * world))) * B * world
             raise DataError(
-                f"global batch {global_batch} sequences (--total-batch-size "
-                f"{global_batch * seq_len} / --seq-len {seq_len}) is not a multiple of micro_batch "
-                f"{micro_batch} (--batch-size) x world_size {world_size} = {per_step}; pick sizes "
-                f"where it is, for example --total-batch-size {good * seq_len} ({good} sequences)")
-        self.accum_steps = global_batch // per_step
-        self._num_windows = [(s.num_tokens - 1) // seq_len for s in self.sources]
+                f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len {L}) is not "
+                f"a multiple of micro_batch {B} (--batch-size) x world_size {world} = {B * world}; "
+                f"pick sizes where it is, for example --total-batch-size {good * L} ({good} "
+                "sequences)")
+        self.accum_steps = G // (B * world)
+        self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
         for s, n in zip(self.sources, self._num_windows):
             if n < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {seq_len + 1} tokens, "
+                raise DataError(f"{s.path}: expected at least seq_len + 1 = {L + 1} tokens, "
                                 f"found {s.num_tokens}")
         ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
         if len(ws) != len(self.sources) or min(ws) <= 0:
@@ -721,12 +734,11 @@ class Batches:
         self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        self.device = torch.device(device)
+        self.device = torch.device(cfg.device)
         # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
-        # prefetch: the next micro-batch is built in a thread while the caller trains on this one
-        self._pool, self._ahead = ThreadPoolExecutor(1) if prefetch else None, None
+        self._pool, self._ahead = ThreadPoolExecutor(1) if cfg.prefetch else None, None
 
     def __iter__(self):
         return self
@@ -747,9 +759,10 @@ class Batches:
                 **self._settings()}
 
     def _settings(self):
-        # what defines the sample sequence: a resume must keep all of it
-        return {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
-                "weights": [str(w) for w in self.weights]}
+        # what defines the sample sequence: a resume must keep all of it (plain ints: JSON)
+        c = self.cfg
+        return {"global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
+                "seed": int(c.seed), "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
         for key, mine in self._settings().items():
@@ -757,10 +770,10 @@ class Batches:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}; the sample sequence depends on it, so a "
                                 "resume must keep it (or start a fresh run)")
-        consumed, step = int(state["consumed"]), self.micro_batch * self.world_size
-        if (consumed % self.global_batch) % step:
-            raise DataError(f"loader state: saved {consumed % self.global_batch} samples into an "
-                            "optimizer step, which is not a whole number of micro_batch x "
+        consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
+        if (consumed % self.cfg.global_batch) % step:
+            raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
+                            "an optimizer step, which is not a whole number of micro_batch x "
                             f"world_size = {step} samples; resume from a step boundary")
         self.close()
         self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
@@ -776,15 +789,16 @@ class Batches:
         y, and the state after the whole micro-step of all ranks)."""
         import torch
 
-        B, L, n = self.micro_batch, self.seq_len, self.micro_batch * self.world_size
+        B, L, n = self.cfg.micro_batch, self.cfg.seq_len, self.cfg.micro_batch * self.cfg.world_size
         cuda = self.device.type == "cuda"  # pinned memory, so that the copy can be asynchronous
         g = np.empty((B, L + 1), np.int64) if not cuda else torch.empty(
             (B, L + 1), dtype=torch.int64, pin_memory=True).numpy()
-        if len(self.sources) == 1:  # this rank's slice of the micro-step, converted on the way in
-            self.sources[0].windows(self._window_ids(0, counts[0] + self.rank * B, B), L, out=g)
+        lo = self.cfg.rank * B  # this rank's slice of the micro-step
+        if len(self.sources) == 1:  # converted to int64 on the way in
+            self.sources[0].windows(self._window_ids(0, counts[0] + lo, B), L, out=g)
             counts = (counts[0] + n,)
         else:
-            src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, n)
+            src, first, counts = _blend(consumed, counts, self._shares, lo, B, n)
             for k in np.unique(src).tolist():
                 rows = np.flatnonzero(src == k)  # consecutive samples in source k's own order
                 g[rows] = self.sources[k].windows(self._window_ids(k, first[rows[0]], len(rows)), L)
@@ -812,7 +826,7 @@ class Batches:
         if epoch not in cache:
             W = self._num_windows[k]
             order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
-            np.random.default_rng([self.seed, k, epoch]).shuffle(order)
+            np.random.default_rng([self.cfg.seed, k, epoch]).shuffle(order)
             while len(cache) >= 2:
                 cache.pop(min(cache))
             cache[epoch] = order
@@ -847,22 +861,23 @@ def _blend(consumed, counts, shares, lo, B, n):
 # validation
 
 
-def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1, device="cpu"):
+def val_batches(source, cfg: BatchConfig, num_batches):
     """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the
-    same at every call: windows [0, micro_batch), [micro_batch, 2 micro_batch), ... as many full
-    batches as exist up to `num_batches`, or a single smaller one when there are fewer windows than
-    micro_batch. Batch j goes to rank j % world_size (a rank may get one batch fewer than another,
-    or none: sum losses and counts across ranks, not per-rank means)."""
+    same at every call: windows [0, B), [B, 2 B), ... (B = cfg.micro_batch) as many full batches as
+    exist up to `num_batches`, or a single smaller one when there are fewer windows than B. Batch j
+    goes to rank j % world_size (a rank may get one batch fewer than another, or none: sum losses
+    and counts across ranks, not per-rank means)."""
     import torch
 
-    windows = (source.num_tokens - 1) // seq_len
+    B, L = cfg.micro_batch, cfg.seq_len
+    windows = (source.num_tokens - 1) // L
     if windows < 1:
-        raise DataError(f"{source.path}: expected at least seq_len + 1 = {seq_len + 1} validation "
+        raise DataError(f"{source.path}: expected at least seq_len + 1 = {L + 1} validation "
                         f"tokens, found {source.num_tokens}")
-    n = min(num_batches * micro_batch, windows)
-    bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
-    pin = torch.device(device).type == "cuda"
-    for j in range(rank, len(bounds), world_size):
-        g = torch.from_numpy(source.windows(np.arange(*bounds[j]), seq_len).astype(np.int64))
-        g = (g.pin_memory() if pin else g).to(device, non_blocking=pin)
+    n = min(num_batches * B, windows)
+    bounds = [(j * B, (j + 1) * B) for j in range(n // B)] or [(0, n)]
+    pin = torch.device(cfg.device).type == "cuda"
+    for j in range(cfg.rank, len(bounds), cfg.world_size):
+        g = torch.from_numpy(source.windows(np.arange(*bounds[j]), L).astype(np.int64))
+        g = (g.pin_memory() if pin else g).to(cfg.device, non_blocking=pin)
         yield g[:, :-1], g[:, 1:]  # views of one buffer offset by a token, as Batches gives
