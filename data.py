@@ -1,12 +1,8 @@
 """Token sources and the batches a training step sees.
 
-Sources, all opened by `open_tokens(path, split)` and read through memory maps (FORMATS below):
-  - a prepare.py directory: `manifest.json` + `train_00000.bin ...` + `val_00000.bin ...`
-  - a raw token file, such as nanoGPT's `train.bin` (uint16 unless `dtype` says otherwise)
-  - a nanoGPT data directory holding `train.bin` and `val.bin`
-  - a directory of `shard_*.bin` raw token files (uint16 unless `dtype` says otherwise)
-  - a Megatron-LM indexed dataset, given by its prefix (`PREFIX.bin` + `PREFIX.idx`)
-Every one of them is one token stream: the concatenation of its files in order.
+Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (a prepare.py directory, raw
+token files, a nanoGPT data directory, a Megatron-LM indexed dataset) as one token stream, the
+concatenation of its files in order, read through memory maps.
 
 Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
 targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
@@ -17,8 +13,8 @@ The whole loader state is therefore the count of consumed samples (plus, when bl
 of them came from each source).
 
 The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
-here too: every tool writes files and reports errors the same way, and both prepare.py (to make
-shards) and sample.py (to read what a checkpoint was trained on) need the tokenizers.
+here too, so that every tool writes files and reports errors alike, and sample.py can decode.
+torch is imported only inside the functions that make tensors: prepare.py starts in a blink.
 """
 import bisect
 import codecs
@@ -43,9 +39,6 @@ from typing import Optional
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-# torch is imported inside the few functions that make tensors: prepare.py uses this file, and its
-# commands should start in a fraction of a second, not wait seconds for torch.
-
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
@@ -68,6 +61,10 @@ class DataError(ValueError):
     """Bad input data. The message names the file, what was expected and what was found."""
 
 
+class NoSplit(DataError):
+    """The path holds no such split (open_blend then runs without validation data)."""
+
+
 # -----------------------------------------------------------------------------
 # files that survive a kill, and the one error paragraph of every command-line tool
 
@@ -87,8 +84,7 @@ def sha256(path) -> str:
 
 
 def write_atomic(path, data: bytes):
-    """Write `path` whole or not at all: a temporary name beside it, fsync, rename, fsync the
-    directory."""
+    """Write `path` whole or not at all: a temporary beside it, fsync, rename, fsync the dir."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -104,13 +100,11 @@ def write_atomic(path, data: bytes):
 def replace_dir(out, fill, ours):
     """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
 
-    fill(stage) writes the new contents into an empty stage beside `out` (`.NAME.stage`); then
-    `out` moves to `.NAME.old`, the stage takes its place, the files of the old directory that
-    ours(old) does not claim (a user's own) move into the new one, and the old one goes. One process
-    at a time holds `.NAME.lock` (flock: released by the OS however the holder ends), so any stage
-    or old directory it finds was left by a run that died: a stage is removed, an old directory is
-    put back (no `out`: killed between the renames) or retired (the swap was done). A failure inside
-    fill leaves `out` as it was. Returns fill's result."""
+    fill(stage) fills an empty `.NAME.stage` beside `out`; `out` moves to `.NAME.old`, the stage
+    takes its place, what ours(old) does not claim (a user's files) moves into the new one, and the
+    old one goes. The holder of `.NAME.lock` (a flock: the OS releases it however the holder ends)
+    knows that a stage or old directory was left by a run that died: a stage is removed, an old
+    directory put back (no `out`) or retired. Returns fill's result."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
@@ -155,8 +149,7 @@ def _retire(old, out, ours):
 @contextlib.contextmanager
 def cli_errors(*expected):
     """The body of a command-line tool: an `expected` exception becomes one red paragraph on stderr
-    (rank 0's only, under torchrun) and exit status 2, Ctrl-C exit 130; warnings print as one
-    line."""
+    (rank 0's only) and exit status 2, Ctrl-C exit 130; warnings print as one line."""
     import typer
     from rich.console import Console
     from rich.markup import escape
@@ -176,13 +169,11 @@ def cli_errors(*expected):
 # tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(ids),
 # eos_id, vocab_size and spec (JSON-serialisable: load_tokenizer(spec) rebuilds the same tokenizer)
 
-EOS_TEXT = "<|endoftext|>"
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in files
 
 
 class ByteTokenizer:
-    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a
-    CPU."""
+    """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
 
     spec = {"name": "byte"}
     vocab_size, eos_id = 257, 256
@@ -194,14 +185,13 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
 
     def decode(self, ids):  # (an id past 256 is a ValueError of bytes())
-        eos = EOS_TEXT.encode()
-        return b"".join(eos if i == 256 else bytes((i,)) for i in ids).decode("utf-8", "replace")
+        raw = b"".join(b"<|endoftext|>" if i == 256 else bytes((i,)) for i in ids)
+        return raw.decode("utf-8", "replace")
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
-    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the
-    EOS id. (tiktoken downloads the BPE file on first use, into TIKTOKEN_CACHE_DIR.)"""
+    """tiktoken's GPT-2 BPE (r50k_base): vocabulary 50,257, EOS 50,256. A text that spells
+    "<|endoftext|>" is ordinary text, not the EOS id."""
 
     spec = {"name": "gpt2"}
 
@@ -222,15 +212,14 @@ class GPT2Tokenizer:
         return self._enc.encode_ordinary(text)
 
     def encode_array(self, text):
-        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+        return np.asarray(self.encode(text), dtype=np.uint32)
 
     def decode(self, ids):
         return self._enc.decode(list(ids))
 
 
 class FileTokenizer:
-    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first
-    of EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
+    """A Hugging Face tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has"""
 
     def __init__(self, path, spec):
         from tokenizers import Tokenizer
@@ -240,7 +229,7 @@ class FileTokenizer:
         except Exception as e:
             raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
                             f"cannot load ({e})") from None
-        self._tok.encode_special_tokens = True
+        self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
         names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
         found = [(n, i) for n in names if (i := self._tok.token_to_id(n)) is not None]
         if not found:
@@ -262,22 +251,19 @@ class FileTokenizer:
 
 def load_tokenizer(spec: dict, directory=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
-    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a
-    prepared data directory or a checkpoint directory). A file whose hash differs is refused."""
+    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory`."""
     name = spec.get("name") if isinstance(spec, dict) else None
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "file":
-        path = Path(directory or ".") / spec["file"]
-        if not path.is_file():
-            raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
-        if spec.get("sha256") and sha256(path) != spec["sha256"]:
-            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
-                            "found another file")
-        return FileTokenizer(path, spec)
-    raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+    if name in ("byte", "gpt2"):
+        return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+    if name != "file":
+        raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+    path = Path(directory or ".") / spec["file"]
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
+    if spec.get("sha256") and sha256(path) != spec["sha256"]:
+        raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
+                        "found another file")
+    return FileTokenizer(path, spec)
 
 
 # -----------------------------------------------------------------------------
@@ -289,14 +275,13 @@ class TokenSource:
 
     files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
     position starts[k]. vocab_size, eos_id and tokenizer (a spec for load_tokenizer) come from
-    `manifest` when the format has one, else None; so does max_token_id, else a scan finds it.
+    `manifest` where the format has one, else None; max_token_id is recorded, or found by a scan.
     """
 
     def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
-        self.path, self.dtype = Path(path), np.dtype(dtype)
-        m = manifest or {}
-        self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in
-                                                        ("vocab_size", "eos_id", "tokenizer"))
+        self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
+        self.vocab_size, self.eos_id, self.tokenizer = map(m.get, ("vocab_size", "eos_id",
+                                                                   "tokenizer"))
         _raise_open_file_limit(len(files))
         self.files, self.tokens = [], []
         for f in map(Path, files):
@@ -363,8 +348,7 @@ class TokenSource:
                 return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
-        # Many files: one concatenate of all the windows' pieces, not a Python setitem each
-        pieces = []
+        pieces = []  # many files: one concatenate of all the pieces, not a Python setitem each
         for lo, k in zip(begin.tolist(), first.tolist()):
             pieces.append(piece := self.tokens[k][lo - self.starts[k] : lo - self.starts[k] + n])
             h = len(piece)
@@ -391,8 +375,7 @@ class TokenSource:
 
 
 def _raise_open_file_limit(n_files: int):
-    # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the
-    # usual soft limit of 1024. Raise it up to the hard limit, and say so if that is not enough.
+    # Every memory map holds a file descriptor: thousands of shards need more than the usual 1024.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need, inf = n_files + 256, resource.RLIM_INFINITY
     if hard != inf and hard < need:
@@ -417,27 +400,14 @@ def check_vocab(source: TokenSource, vocab_size: int):
 
 # -----------------------------------------------------------------------------
 # the formats. An opener takes (path, split, dtype or None) and returns a TokenSource, or None when
-# the path is not of its format; open_tokens tries them in the order of FORMAT_OPENERS, so a new
-# format is one opener and one line there.
-
-
-class NoSplit(DataError):
-    """The path holds no such split (open_blend then runs without validation data)."""
-
-
-def _one_stream(p, split, what):
-    if split != "train":
-        raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream (the "
-                      "train split); give the validation data as a separate path")
+# the path is not of its format: a new format is one opener and one line in FORMAT_OPENERS.
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json`; raise DataError saying what is wrong.
-
-    Layout: {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
-             "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
-             "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}
-    """
+    """Read and check `directory/manifest.json`, whose layout is
+    {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
+     "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
+     "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}"""
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
@@ -499,15 +469,6 @@ def _prepared(p, split, dtype):
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 
-def _shard_dir(p, split, dtype):
-    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
-    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    if not shards:
-        return None
-    _one_stream(p, split, "a directory of shard_*.bin files")
-    return TokenSource(p, shards, dtype or np.uint16)
-
-
 def _nanogpt_dir(p, split, dtype):
     if not p.is_dir() or not ((p / "train.bin").exists() or (p / "val.bin").exists()):
         return None
@@ -518,19 +479,24 @@ def _nanogpt_dir(p, split, dtype):
     return TokenSource(f, [f], dtype or np.uint16)
 
 
+def _shard_dir(p, dtype):
+    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
+    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
+    return TokenSource(p, shards, dtype or np.uint16) if shards else None
+
+
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = docs + 1
 
 
-def _megatron(p, split, dtype):
+def _megatron(p, dtype):
     # PREFIX.idx: the header, int32 lengths[S], int64 byte pointers[S], int64 document starts[D],
     # 34 + 12 S + 8 D bytes in all; PREFIX.bin: the sequences' tokens back to back
     prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
     idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     if not idx.exists():
         return None
-    _one_stream(prefix, split, "a Megatron dataset")
     size, o = idx.stat().st_size, MEGATRON_HEADER.size
     if size < o:
         raise DataError(f"{idx}: expected a {o}-byte header at least, found {size} bytes")
@@ -551,9 +517,8 @@ def _megatron(p, split, dtype):
     pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence
     docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) first sequence of each document, then S
     expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize  # back to back
-    bad = (pointers != expect) | (lengths < 0)
-    if bad.any():
-        i = int(np.argmax(bad))
+    if ((pointers != expect) | (lengths < 0)).any():
+        i = int(np.argmax((pointers != expect) | (lengths < 0)))
         raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
                         f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
                         f"{pointers[i]}")
@@ -572,10 +537,9 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".c
                  ".html")
 
 
-def _raw_file(p, split, dtype):
+def _raw_file(p, dtype):
     if not p.is_file():
         return None
-    _one_stream(p, split, "a single token file")
     # Trained on as token ids, text would be garbage without a word of warning. Token ids are
     # almost never printable UTF-8: small ids hold zero bytes, large ones bytes that are not UTF-8.
     with open(p, "rb") as f:
@@ -584,36 +548,39 @@ def _raw_file(p, split, dtype):
         text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
     except UnicodeDecodeError:
         text = ""
-    printable = text and all(c.isprintable() or c in "\t\n\r\f" for c in text)
-    if p.suffix.lower() in TEXT_SUFFIXES or printable:
-        found = f"a {p.suffix} file" if p.suffix.lower() in TEXT_SUFFIXES else "UTF-8 text"
-        raise DataError(f"{p}: expected a file of token ids, found {found}, which holds text, not "
+    named = p.suffix.lower() in TEXT_SUFFIXES
+    if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
+        raise DataError(f"{p}: expected a file of token ids, found "
+                        f"{f'a {p.suffix} file' if named else 'UTF-8 text'}, which holds text, not "
                         f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
                         "and pass --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
 
 
-FORMAT_OPENERS = [  # (what it is, its opener), in the order open_tokens tries them
-    ("a prepare.py directory (manifest.json)", _prepared),
-    ("a directory of shard_*.bin files", _shard_dir),
-    ("a nanoGPT data directory (train.bin, val.bin)", _nanogpt_dir),
-    ("a Megatron prefix (PREFIX.bin + PREFIX.idx)", _megatron),
-    ("a raw token file such as nanoGPT's train.bin", _raw_file),
+# (what it is, its opener, whether it has splits), in the order open_tokens tries them. An opener
+# of one stream, the train split, takes (path, dtype): open_tokens refuses another split for it.
+FORMAT_OPENERS = [
+    ("a prepare.py directory (manifest.json)", _prepared, True),
+    ("a directory of shard_*.bin files", _shard_dir, False),
+    ("a nanoGPT data directory (train.bin, val.bin)", _nanogpt_dir, True),
+    ("a Megatron prefix (PREFIX.bin + PREFIX.idx)", _megatron, False),
+    ("a raw token file such as nanoGPT's train.bin", _raw_file, False),
 ]
-FORMATS = ", ".join(what for what, _ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_OPENERS[-1][0]
+FORMATS = ", ".join(what for what, *_ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_OPENERS[-1][0]
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS. `split` picks train or val where the format has
-    both; the others hold one stream, the train split, and refuse another with NoSplit. `dtype` is
-    for raw files and shard directories (default uint16); a format that records its dtype refuses
-    another."""
+    """Open a token stream of one of the FORMATS, its split `split` (train or val) where it has
+    splits. `dtype` is for formats that do not record one (default uint16)."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
-    for _, opener in FORMAT_OPENERS:
-        source = opener(p, split, want)
+    for what, opener, splits in FORMAT_OPENERS:
+        source = opener(p, split, want) if splits else opener(p, want)
         if source is None:
             continue
+        if not splits and split != "train":
+            raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
+                          "(the train split); give the validation data as a separate path")
         if want is not None and source.dtype != want:  # a format that records its dtype
             raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} asked "
                             "for")
