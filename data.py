@@ -639,7 +639,7 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 
 # -----------------------------------------------------------------------------
-# batches: epochs, global samples, ranks, blending, state
+# batches: epochs, global samples, ranks, blending, state; validation
 
 
 @dataclasses.dataclass
@@ -659,17 +659,11 @@ class BatchConfig:
 
 
 class Batches:
-    """The endless sequence of this rank's micro-batches (see the module doc).
-
-    Yields (x, y) for optimizer step s, micro-steps m = 0 .. accum_steps - 1 in turn: int64 tensors
-    of shape (micro_batch, seq_len) on `device`, y[:, j] == x[:, j + 1]. Both are views of one
-    (micro_batch, seq_len + 1) buffer (one copy of the tokens, one transfer to a GPU), so they are
-    not contiguous. Several sources are blended by `weights` (default equal).
-
-    state_dict() is the count of consumed samples (and per source) and the settings that define the
-    sequence. load_state_dict() accepts a state saved with another world_size or micro_batch
-    (elastic resume) and refuses one saved with another global_batch, seq_len, seed or blend.
-    """
+    """The endless sequence of this rank's micro-batches (see the module doc): (x, y) for each
+    micro-step of each optimizer step in turn, int64 (micro_batch, seq_len) tensors, y[:, j] ==
+    x[:, j + 1], both views of one buffer (one copy, one transfer to a GPU). Several sources are
+    blended by `weights` (default equal). A state saved with another world_size or micro_batch
+    loads (elastic resume); one with another global_batch, seq_len, seed or blend is refused."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
         import torch
@@ -745,15 +739,13 @@ class Batches:
         self.close()
         self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
 
-    def close(self):
-        """Stop the prefetch thread, if one runs (the next batch starts it again)."""
+    def close(self):  # stops the prefetch thread, if one runs (the next batch starts it again)
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)  # waits for a build under way
             self._pool, self._ahead = ThreadPoolExecutor(1), None
 
     def _build(self, consumed, counts):
-        """This rank's micro-batch at global sample `consumed`, a pure function of the state: (x,
-        y, and the state after the whole micro-step of all ranks)."""
+        """(x, y, the state after this micro-step of all ranks): a pure function of the state."""
         import torch
 
         B, L, n = self.cfg.micro_batch, self.cfg.seq_len, self.cfg.micro_batch * self.cfg.world_size
@@ -776,8 +768,7 @@ class Batches:
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
-    def _window_ids(self, k, first, n):
-        """Window ids of source k's samples first .. first + n - 1: slices of epoch orders."""
+    def _window_ids(self, k, first, n):  # of source k's samples first .. first + n - 1
         W = self._num_windows[k]
         e, p = divmod(first, W)
         if p + n <= W:
@@ -787,8 +778,7 @@ class Batches:
         return np.concatenate([self._order(k, e)[pos[epochs == e]]
                                for e in np.unique(epochs).tolist()])
 
-    def _order(self, k, epoch):
-        """Source k's window order for `epoch`: a permutation drawn from (seed, k, epoch) alone."""
+    def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
         cache = self._orders[k]
         if epoch not in cache:
             W = self._num_windows[k]
@@ -801,14 +791,11 @@ class Batches:
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """Blending: the source and per-source sample index of samples [lo, lo + B) of the micro-step
-    of n samples that starts at global sample `consumed`, and the per-source counts after it.
-
-    Earliest deadline first among the sources not ahead of their share, in exact integer
-    arithmetic: weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) a[k] / D,
-    and its next sample's deadline is (c[k] + 1) / a[k]. Every prefix of the sequence is then within
-    one sample of its shares (the simpler "largest deficit first" is not: tests/test_data.py has
-    weights where it strays further)."""
+    """The source and per-source index of samples [lo, lo + B) of the micro-step of n samples at
+    global sample `consumed`, and the per-source counts after it. Earliest deadline first among the
+    sources not ahead of their share, in integers: weight k = a[k] / D, source k is eligible for
+    sample g when c[k] < (g + 1) a[k] / D, its deadline (c[k] + 1) / a[k]. Every prefix is then
+    within one sample of its shares ("largest deficit first" is not: see tests/test_data.py)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
@@ -824,16 +811,11 @@ def _blend(consumed, counts, shares, lo, B, n):
     return src, idx, tuple(c)
 
 
-# -----------------------------------------------------------------------------
-# validation
-
-
 def val_batches(source, cfg: BatchConfig, num_batches):
-    """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the
-    same at every call: windows [0, B), [B, 2 B), ... (B = cfg.micro_batch) as many full batches as
-    exist up to `num_batches`, or a single smaller one when there are fewer windows than B. Batch j
-    goes to rank j % world_size (a rank may get one batch fewer than another, or none: sum losses
-    and counts across ranks, not per-rank means)."""
+    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... of `source` (B =
+    cfg.micro_batch), as many full batches as exist up to `num_batches`, or one smaller batch when
+    there are fewer windows than B. Batch j goes to rank j % world_size: a rank may get one batch
+    fewer than another, so sum losses and counts across ranks, not per-rank means."""
     import torch
 
     B, L = cfg.micro_batch, cfg.seq_len
