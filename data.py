@@ -16,7 +16,6 @@ The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the 
 here too, so that every tool writes files and reports errors alike, and sample.py can decode.
 torch is imported only inside the functions that make tensors: prepare.py starts in a blink.
 """
-import bisect
 import codecs
 import contextlib
 import dataclasses
@@ -294,8 +293,8 @@ class TokenSource:
                 self.files.append(f)
                 # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
                 self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
-        self.starts = [0, *itertools.accumulate(map(len, self.tokens))]
-        self._starts, self.num_tokens = np.array(self.starts), self.starts[-1]  # (for searchsorted)
+        self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
+        self.num_tokens = int(self.starts[-1])
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
         # A recorded id range is trusted at first, so that a run starts at once; check_on_read
@@ -323,9 +322,9 @@ class TokenSource:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        pieces, k = [], bisect.bisect_right(self.starts, start) - 1
+        pieces, k = [], int(self.starts.searchsorted(start, "right")) - 1
         while n > 0:  # from one file on into the next
-            lo = start - self.starts[k]
+            lo = start - int(self.starts[k])
             pieces.append(self.tokens[k][lo : lo + n])
             start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
@@ -335,12 +334,8 @@ class TokenSource:
         source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
         int64: the conversion happens in the same pass as the copy)."""
         ids, n = np.asarray(ids), seq_len + 1
-        begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
-        first = self._starts.searchsorted(begin, "right") - 1  # the file each window starts in
-        if self.unchecked:  # the files these windows touch, each checked at its first read
-            last = self._starts.searchsorted(begin + seq_len, "right")
-            for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first, last)))):
-                self._check(k)
+        if self.unchecked:
+            self._check(ids, seq_len)
         if len(self.tokens) == 1:  # the windows as overlapping rows of the file: one gather
             if seq_len not in self._rows:  # (a view, but 30 us to make: once)
                 self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
@@ -348,9 +343,11 @@ class TokenSource:
                 return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
-        pieces = []  # many files: one concatenate of all the pieces, not a Python setitem each
-        for lo, k in zip(begin.tolist(), first.tolist()):
-            pieces.append(piece := self.tokens[k][lo - self.starts[k] : lo - self.starts[k] + n])
+        begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
+        first = self.starts.searchsorted(begin, "right") - 1  # the file each window starts in
+        pieces = []  # one concatenate of all the windows' pieces, not a Python setitem each
+        for lo, k in zip((begin - self.starts[first]).tolist(), first.tolist()):
+            pieces.append(piece := self.tokens[k][lo : lo + n])
             h = len(piece)
             while h < n:  # at a file's end the window runs on into the next file(s)
                 k += 1
@@ -360,18 +357,22 @@ class TokenSource:
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _check(self, k):
+    def _check(self, ids, seq_len):
         # A shard changed after prepare.py wrote it keeps its size (only `prepare.py verify` would
-        # notice): it must not reach the model as an index error deep in a step.
-        tokens, V = self.tokens[k], self._vocab
-        if tokens.max() >= V or tokens.min() < 0:
-            i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
-            raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                            f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                            "vocabulary, although the manifest says otherwise: was the file "
-                            "changed after prepare.py wrote it? `python prepare.py verify "
-                            f"{self.path}` checks every shard")
-        self.unchecked.discard(k)
+        # notice): it must not reach the model as an index error deep in a step. So each file
+        # that these windows touch is checked at its first read.
+        begin = ids.astype(np.int64) * seq_len
+        first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
+        for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first - 1, last)))):
+            tokens, V = self.tokens[k], self._vocab
+            if tokens.max() >= V or tokens.min() < 0:
+                i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
+                                f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
+                                "vocabulary, although the manifest says otherwise: was the file "
+                                "changed after prepare.py wrote it? `python prepare.py verify "
+                                f"{self.path}` checks every shard")
+            self.unchecked.discard(k)
 
 
 def _raise_open_file_limit(n_files: int):
