@@ -8,21 +8,17 @@
 
 Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
 files (one file is one document), .jsonl files (one line is one document: its "text" field), each
-optionally gzipped, and .parquet files (one row is one document: its "text" column, read a slice of
-a row group at a time; a null is an empty document); --text-field names another field or column.
-Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input order)
-goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
-document, the first at about 1/(2f), so that neither the start nor a large first file is favoured,
-and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than
-1/(2f) documents, f > 0), the last document is the validation split. The rest go to train; each
-split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in
---workers processes; results come back in input order, so the output is byte-identical for any
-worker count.
+optionally gzipped, and .parquet files (one row is one document: its "text" column; a null is an
+empty document); --text-field names another field or column. Every document is followed by the
+tokenizer's EOS id; every 1/f-th document goes to the validation split (_is_val says exactly which),
+the rest to train, each split cut into shards of about --shard-tokens tokens at document ends.
+Tokenization runs in --workers processes, in bounded memory; results come back in input order, so
+the output is byte-identical for any worker count.
 
-The output is built in a hidden directory beside --out-dir and put in its place only when complete
-(data.replace_dir): a failure or a kill never leaves a half-written directory that looks valid,
-never loses the previous output, and files you added to a previous output move into the new one.
-Ctrl-C and SIGTERM stop the command, workers included, within a second or so (exit 130 or 143).
+The output is built beside --out-dir and put in its place only when complete (data.replace_dir): a
+failure or a kill never leaves a half-written directory that looks valid, never loses the previous
+output, and files you added to it move into the new one. Ctrl-C and SIGTERM stop the command,
+workers included, within a second or so (exit 130 or 143).
 """
 import contextlib
 import dataclasses
@@ -517,8 +513,10 @@ def _add(writers, toks, lengths, is_val):
 
 def _is_val(n, f: Fraction):
     """Document n (from 0) is a validation document when round((n + 1) f) > round(n f), halves
-    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds
-    round(prefix * f) of them, spread evenly, the first at about 1 / (2f)."""
+    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds round(prefix *
+    f) of them, spread evenly, the first at about 1 / (2f), so that neither the start nor a large
+    first file is favoured. When that is none (fewer than 1/(2f) documents, f > 0), _write_splits
+    makes the last document the validation split."""
     p, q = f.numerator, f.denominator
     return (2 * (n + 1) * p + q) // (2 * q) > (2 * n * p + q) // (2 * q)
 
