@@ -518,8 +518,8 @@ def _megatron(p, dtype):
     pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence
     docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) first sequence of each document, then S
     expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize  # back to back
-    if ((pointers != expect) | (lengths < 0)).any():
-        i = int(np.argmax((pointers != expect) | (lengths < 0)))
+    if (bad := (pointers != expect) | (lengths < 0)).any():
+        i = int(np.argmax(bad))
         raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
                         f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
                         f"{pointers[i]}")
