@@ -1,12 +1,8 @@
 """Token sources and the batches a training step sees.
 
-Sources, all opened by `open_tokens(path, split)` and read through memory maps (FORMATS below):
-  - a prepare.py directory: `manifest.json` + `train_00000.bin ...` + `val_00000.bin ...`
-  - a raw token file, such as nanoGPT's `train.bin` (uint16 unless `dtype` says otherwise)
-  - a nanoGPT data directory holding `train.bin` and `val.bin`
-  - a directory of `shard_*.bin` raw token files (uint16 unless `dtype` says otherwise)
-  - a Megatron-LM indexed dataset, given by its prefix (`PREFIX.bin` + `PREFIX.idx`)
-Every one of them is one token stream: the concatenation of its files in order.
+Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (a prepare.py directory, raw
+token files, a nanoGPT data directory, a Megatron-LM indexed dataset) as one token stream, the
+concatenation of its files in order, read through memory maps.
 
 Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
 targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
@@ -17,12 +13,12 @@ The whole loader state is therefore the count of consumed samples (plus, when bl
 of them came from each source).
 
 The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
-here too: every tool writes files and reports errors the same way, and both prepare.py (to make
-shards) and sample.py (to read what a checkpoint was trained on) need the tokenizers.
+here too, so that every tool writes files and reports errors alike, and sample.py can decode.
+torch is imported only inside the functions that make tensors: prepare.py starts in a blink.
 """
-import bisect
 import codecs
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import itertools
@@ -37,12 +33,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-
-# torch is imported inside the few functions that make tensors: prepare.py uses this file, and its
-# commands should start in a fraction of a second, not wait seconds for torch.
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
@@ -66,6 +60,10 @@ class DataError(ValueError):
     """Bad input data. The message names the file, what was expected and what was found."""
 
 
+class NoSplit(DataError):
+    """The path holds no such split (open_blend then runs without validation data)."""
+
+
 # -----------------------------------------------------------------------------
 # files that survive a kill, and the one error paragraph of every command-line tool
 
@@ -85,8 +83,7 @@ def sha256(path) -> str:
 
 
 def write_atomic(path, data: bytes):
-    """Write `path` whole or not at all: a temporary name beside it, fsync, rename, fsync the
-    directory."""
+    """Write `path` whole or not at all: a temporary beside it, fsync, rename, fsync the dir."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -102,13 +99,11 @@ def write_atomic(path, data: bytes):
 def replace_dir(out, fill, ours):
     """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
 
-    fill(stage) writes the new contents into an empty stage beside `out` (`.NAME.stage`); then
-    `out` moves to `.NAME.old`, the stage takes its place, the files of the old directory that
-    ours(old) does not claim (a user's own) move into the new one, and the old one goes. One process
-    at a time holds `.NAME.lock` (flock: released by the OS however the holder ends), so any stage
-    or old directory it finds was left by a run that died: a stage is removed, an old directory is
-    put back (no `out`: killed between the renames) or retired (the swap was done). A failure inside
-    fill leaves `out` as it was. Returns fill's result."""
+    fill(stage) fills an empty `.NAME.stage` beside `out`; `out` moves to `.NAME.old`, the stage
+    takes its place, what ours(old) does not claim (a user's files) moves into the new one, and the
+    old one goes. The holder of `.NAME.lock` (a flock: the OS releases it however the holder ends)
+    knows that a stage or old directory was left by a run that died: a stage is removed, an old
+    directory put back (no `out`) or retired. Returns fill's result."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
@@ -153,8 +148,7 @@ def _retire(old, out, ours):
 @contextlib.contextmanager
 def cli_errors(*expected):
     """The body of a command-line tool: an `expected` exception becomes one red paragraph on stderr
-    (rank 0's only, under torchrun) and exit status 2, Ctrl-C exit 130; warnings print as one
-    line."""
+    (rank 0's only) and exit status 2, Ctrl-C exit 130; warnings print as one line."""
     import typer
     from rich.console import Console
     from rich.markup import escape
@@ -174,13 +168,11 @@ def cli_errors(*expected):
 # tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(ids),
 # eos_id, vocab_size and spec (JSON-serialisable: load_tokenizer(spec) rebuilds the same tokenizer)
 
-EOS_TEXT = "<|endoftext|>"
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # looked for in files
 
 
 class ByteTokenizer:
-    """The 256 byte values of UTF-8 text, plus EOS = 256. Needs nothing, and trains fastest on a
-    CPU."""
+    """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
 
     spec = {"name": "byte"}
     vocab_size, eos_id = 257, 256
@@ -192,14 +184,13 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
 
     def decode(self, ids):  # (an id past 256 is a ValueError of bytes())
-        eos = EOS_TEXT.encode()
-        return b"".join(eos if i == 256 else bytes((i,)) for i in ids).decode("utf-8", "replace")
+        raw = b"".join(b"<|endoftext|>" if i == 256 else bytes((i,)) for i in ids)
+        return raw.decode("utf-8", "replace")
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base, the same ids as "gpt2"): vocabulary 50,257, EOS 50,256.
-    Text is encoded as ordinary text: a document that spells "<|endoftext|>" does not produce the
-    EOS id. (tiktoken downloads the BPE file on first use, into TIKTOKEN_CACHE_DIR.)"""
+    """tiktoken's GPT-2 BPE (r50k_base): vocabulary 50,257, EOS 50,256. A text that spells
+    "<|endoftext|>" is ordinary text, not the EOS id."""
 
     spec = {"name": "gpt2"}
 
@@ -220,15 +211,14 @@ class GPT2Tokenizer:
         return self._enc.encode_ordinary(text)
 
     def encode_array(self, text):
-        return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint32)
+        return np.asarray(self.encode(text), dtype=np.uint32)
 
     def decode(self, ids):
         return self._enc.decode(list(ids))
 
 
 class FileTokenizer:
-    """A Hugging Face `tokenizers` file (tokenizer.json). EOS is spec["eos_token"], else the first
-    of EOS_TOKENS the file knows. Special tokens spelled in the text are encoded as plain text."""
+    """A Hugging Face tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has"""
 
     def __init__(self, path, spec):
         from tokenizers import Tokenizer
@@ -238,7 +228,7 @@ class FileTokenizer:
         except Exception as e:
             raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
                             f"cannot load ({e})") from None
-        self._tok.encode_special_tokens = True
+        self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
         names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
         found = [(n, i) for n in names if (i := self._tok.token_to_id(n)) is not None]
         if not found:
@@ -260,22 +250,19 @@ class FileTokenizer:
 
 def load_tokenizer(spec: dict, directory=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
-    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (a
-    prepared data directory or a checkpoint directory). A file whose hash differs is refused."""
+    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory`."""
     name = spec.get("name") if isinstance(spec, dict) else None
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "file":
-        path = Path(directory or ".") / spec["file"]
-        if not path.is_file():
-            raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
-        if spec.get("sha256") and sha256(path) != spec["sha256"]:
-            raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
-                            "found another file")
-        return FileTokenizer(path, spec)
-    raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+    if name in ("byte", "gpt2"):
+        return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+    if name != "file":
+        raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
+    path = Path(directory or ".") / spec["file"]
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
+    if spec.get("sha256") and sha256(path) != spec["sha256"]:
+        raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
+                        "found another file")
+    return FileTokenizer(path, spec)
 
 
 # -----------------------------------------------------------------------------
@@ -286,13 +273,14 @@ class TokenSource:
     """One token stream made of memory-mapped files, read without copying where possible.
 
     files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
-    position starts[k]. vocab_size, eos_id and tokenizer (the spec: load_tokenizer(source.tokenizer,
-    source.path)) are what a manifest records, None for raw sources.
+    position starts[k]. vocab_size, eos_id and tokenizer (a spec for load_tokenizer) come from
+    `manifest` where the format has one, else None; max_token_id is recorded, or found by a scan.
     """
 
-    def __init__(self, path, files, dtype, max_token_id=None):
-        self.path, self.dtype = Path(path), np.dtype(dtype)
-        self.vocab_size = self.eos_id = self.tokenizer = None  # set by a manifest's opener
+    def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
+        self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
+        self.vocab_size, self.eos_id, self.tokenizer = map(m.get, ("vocab_size", "eos_id",
+                                                                   "tokenizer"))
         _raise_open_file_limit(len(files))
         self.files, self.tokens = [], []
         for f in map(Path, files):
@@ -305,18 +293,18 @@ class TokenSource:
                 self.files.append(f)
                 # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
                 self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
-        self.starts = [0, *itertools.accumulate(map(len, self.tokens))]
-        self.num_tokens = self.starts[-1]
+        self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
+        self.num_tokens = int(self.starts[-1])
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        # A manifest's id range is trusted at first (so that a run starts at once), and each file
-        # is checked the first time it is read (check_vocab arms that); a raw source is scanned.
+        # A recorded id range is trusted at first, so that a run starts at once; check_on_read
+        # then has each file checked at its first read. A raw source is scanned instead.
         self.recorded = max_token_id is not None
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
     def id_range(self) -> tuple:
-        """(smallest, largest) token id: the manifest's record, else one vectorised scan."""
+        """(smallest, largest) token id."""
         if self._range is None:
             self._range = (int(min(t.min() for t in self.tokens)),
                            int(max(t.max() for t in self.tokens)))
@@ -331,13 +319,12 @@ class TokenSource:
         self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) in the source dtype: a view of the file when they lie in one,
-        else a copy of the pieces."""
+        """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        pieces, k = [], bisect.bisect_right(self.starts, start) - 1
+        pieces, k = [], int(self.starts.searchsorted(start, "right")) - 1
         while n > 0:  # from one file on into the next
-            lo = start - self.starts[k]
+            lo = start - int(self.starts[k])
             pieces.append(self.tokens[k][lo : lo + n])
             start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
@@ -347,55 +334,49 @@ class TokenSource:
         source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
         int64: the conversion happens in the same pass as the copy)."""
         ids, n = np.asarray(ids), seq_len + 1
-        if len(self.tokens) == 1:
-            if self.unchecked:
-                self._check(0)
-            if seq_len not in self._rows:  # the windows as overlapping rows: one gather, a batch
+        if self.unchecked:
+            self._check(ids, seq_len)
+        if len(self.tokens) == 1:  # the windows as overlapping rows of the file: one gather
+            if seq_len not in self._rows:  # (a view, but 30 us to make: once)
                 self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
             if out is None:
                 return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
-        # Many files: a window's file is found among the first windows of the files (cached), and
-        # one concatenate of all the windows' pieces copies them, not a Python setitem each.
-        if seq_len not in self._rows:
-            self._rows[seq_len] = -(-np.array(self.starts) // seq_len)
-        first = self._rows[seq_len].searchsorted(ids, "right") - 1
-        if self.unchecked:  # the files these windows touch, checked at their first read
-            last = np.searchsorted(self.starts, (ids.astype(np.int64) + 1) * seq_len, "right")
-            for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first, last)))):
-                self._check(k)
-        pieces, starts, tokens = [], self.starts, self.tokens
-        for w, k in zip(ids.tolist(), first.tolist()):  # (Python ints: no wrap past 2**32 tokens)
-            lo = w * seq_len - starts[k]
-            pieces.append(piece := tokens[k][lo : lo + n])
+        begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
+        first = self.starts.searchsorted(begin, "right") - 1  # the file each window starts in
+        pieces = []  # one concatenate of all the windows' pieces, not a Python setitem each
+        for lo, k in zip((begin - self.starts[first]).tolist(), first.tolist()):
+            pieces.append(piece := self.tokens[k][lo : lo + n])
             h = len(piece)
             while h < n:  # at a file's end the window runs on into the next file(s)
                 k += 1
-                pieces.append(piece := tokens[k][: n - h])
+                pieces.append(piece := self.tokens[k][: n - h])
                 h += len(piece)
         out = np.empty((len(ids), n), self.dtype) if out is None else out
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _check(self, k):
-        # A shard changed after prepare.py wrote it (same size: only `prepare.py verify` would
-        # notice) must not reach the model as an index error deep in a step: one vectorised pass
-        # over each file, at its first read.
-        tokens, V = self.tokens[k], self._vocab
-        if tokens.max() >= V or tokens.min() < 0:
-            i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
-            raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                            f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                            "vocabulary, although the manifest says otherwise: was the file "
-                            "changed after prepare.py wrote it? `python prepare.py verify "
-                            f"{self.path}` checks every shard")
-        self.unchecked.discard(k)
+    def _check(self, ids, seq_len):
+        # A shard changed after prepare.py wrote it keeps its size (only `prepare.py verify` would
+        # notice): it must not reach the model as an index error deep in a step. So each file
+        # that these windows touch is checked at its first read.
+        begin = ids.astype(np.int64) * seq_len
+        first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
+        for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first - 1, last)))):
+            tokens, V = self.tokens[k], self._vocab
+            if tokens.max() >= V or tokens.min() < 0:
+                i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
+                                f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
+                                "vocabulary, although the manifest says otherwise: was the file "
+                                "changed after prepare.py wrote it? `python prepare.py verify "
+                                f"{self.path}` checks every shard")
+            self.unchecked.discard(k)
 
 
 def _raise_open_file_limit(n_files: int):
-    # Every memory map holds a file descriptor; a corpus of thousands of shards needs more than the
-    # usual soft limit of 1024. Raise it up to the hard limit, and say so if that is not enough.
+    # Every memory map holds a file descriptor: thousands of shards need more than the usual 1024.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need, inf = n_files + 256, resource.RLIM_INFINITY
     if hard != inf and hard < need:
@@ -406,9 +387,8 @@ def _raise_open_file_limit(n_files: int):
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
-    """Raise DataError when `source` holds a token id outside [0, vocab_size) of the model. A
-    manifest's range is trusted now, and each file checked again the first time it is read: a shard
-    edited after prepare.py keeps its size, and the manifest cannot know."""
+    """Refuse a `source` with token ids outside [0, vocab_size): its recorded range now, and each
+    file again at its first read (a shard edited after prepare.py keeps its size)."""
     lo, hi = source.id_range()
     if lo < 0 or hi >= vocab_size:
         theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
@@ -421,27 +401,14 @@ def check_vocab(source: TokenSource, vocab_size: int):
 
 # -----------------------------------------------------------------------------
 # the formats. An opener takes (path, split, dtype or None) and returns a TokenSource, or None when
-# the path is not of its format; open_tokens tries them in the order of FORMAT_OPENERS, so a new
-# format is one opener and one line there.
-
-
-class NoSplit(DataError):
-    """The path holds no such split (open_blend then runs without validation data)."""
-
-
-def _one_stream(p, split, what):
-    if split != "train":
-        raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream (the "
-                      "train split); give the validation data as a separate path")
+# the path is not of its format: a new format is one opener and one line in FORMAT_OPENERS.
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json`; raise DataError saying what is wrong.
-
-    Layout: {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
-             "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
-             "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}
-    """
+    """Read and check `directory/manifest.json`, whose layout is
+    {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
+     "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
+     "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}"""
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
@@ -500,19 +467,7 @@ def _prepared(p, split, dtype):
             raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
                             f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
                             f"verify {p}`")
-    source = TokenSource(p, files, m["dtype"], s["max_token_id"])
-    source.vocab_size, source.eos_id = m["vocab_size"], m["eos_id"]
-    source.tokenizer = m["tokenizer"]
-    return source
-
-
-def _shard_dir(p, split, dtype):
-    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
-    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    if not shards:
-        return None
-    _one_stream(p, split, "a directory of shard_*.bin files")
-    return TokenSource(p, shards, dtype or np.uint16)
+    return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 
 def _nanogpt_dir(p, split, dtype):
@@ -525,19 +480,24 @@ def _nanogpt_dir(p, split, dtype):
     return TokenSource(f, [f], dtype or np.uint16)
 
 
+def _shard_dir(p, dtype):
+    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
+    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
+    return TokenSource(p, shards, dtype or np.uint16) if shards else None
+
+
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = docs + 1
 
 
-def _megatron(p, split, dtype):
+def _megatron(p, dtype):
     # PREFIX.idx: the header, int32 lengths[S], int64 byte pointers[S], int64 document starts[D],
     # 34 + 12 S + 8 D bytes in all; PREFIX.bin: the sequences' tokens back to back
     prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
     idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     if not idx.exists():
         return None
-    _one_stream(prefix, split, "a Megatron dataset")
     size, o = idx.stat().st_size, MEGATRON_HEADER.size
     if size < o:
         raise DataError(f"{idx}: expected a {o}-byte header at least, found {size} bytes")
@@ -558,8 +518,7 @@ def _megatron(p, split, dtype):
     pointers = np.frombuffer(raw, "<i8", S, o + 4 * S)  # (S,) byte offset of each sequence
     docs = np.frombuffer(raw, "<i8", D, o + 12 * S)  # (D,) first sequence of each document, then S
     expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * token.itemsize  # back to back
-    bad = (pointers != expect) | (lengths < 0)
-    if bad.any():
+    if (bad := (pointers != expect) | (lengths < 0)).any():
         i = int(np.argmax(bad))
         raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
                         f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
@@ -579,10 +538,9 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".c
                  ".html")
 
 
-def _raw_file(p, split, dtype):
+def _raw_file(p, dtype):
     if not p.is_file():
         return None
-    _one_stream(p, split, "a single token file")
     # Trained on as token ids, text would be garbage without a word of warning. Token ids are
     # almost never printable UTF-8: small ids hold zero bytes, large ones bytes that are not UTF-8.
     with open(p, "rb") as f:
@@ -591,36 +549,39 @@ def _raw_file(p, split, dtype):
         text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
     except UnicodeDecodeError:
         text = ""
-    printable = text and all(c.isprintable() or c in "\t\n\r\f" for c in text)
-    if p.suffix.lower() in TEXT_SUFFIXES or printable:
-        found = f"a {p.suffix} file" if p.suffix.lower() in TEXT_SUFFIXES else "UTF-8 text"
-        raise DataError(f"{p}: expected a file of token ids, found {found}, which holds text, not "
+    named = p.suffix.lower() in TEXT_SUFFIXES
+    if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
+        raise DataError(f"{p}: expected a file of token ids, found "
+                        f"{f'a {p.suffix} file' if named else 'UTF-8 text'}, which holds text, not "
                         f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
                         "and pass --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
 
 
-FORMAT_OPENERS = [  # (what it is, its opener), in the order open_tokens tries them
-    ("a prepare.py directory (manifest.json)", _prepared),
-    ("a directory of shard_*.bin files", _shard_dir),
-    ("a nanoGPT data directory (train.bin, val.bin)", _nanogpt_dir),
-    ("a Megatron prefix (PREFIX.bin + PREFIX.idx)", _megatron),
-    ("a raw token file such as nanoGPT's train.bin", _raw_file),
+# (what it is, its opener, whether it has splits), in the order open_tokens tries them. An opener
+# of one stream, the train split, takes (path, dtype): open_tokens refuses another split for it.
+FORMAT_OPENERS = [
+    ("a prepare.py directory (manifest.json)", _prepared, True),
+    ("a directory of shard_*.bin files", _shard_dir, False),
+    ("a nanoGPT data directory (train.bin, val.bin)", _nanogpt_dir, True),
+    ("a Megatron prefix (PREFIX.bin + PREFIX.idx)", _megatron, False),
+    ("a raw token file such as nanoGPT's train.bin", _raw_file, False),
 ]
-FORMATS = ", ".join(what for what, _ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_OPENERS[-1][0]
+FORMATS = ", ".join(what for what, *_ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT_OPENERS[-1][0]
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS. `split` picks train or val where the format has
-    both; the others hold one stream, the train split, and refuse another with NoSplit. `dtype` is
-    for raw files and shard directories (default uint16); a format that records its dtype refuses
-    another."""
+    """Open a token stream of one of the FORMATS, its split `split` (train or val) where it has
+    splits. `dtype` is for formats that do not record one (default uint16)."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
-    for _, opener in FORMAT_OPENERS:
-        source = opener(p, split, want)
+    for what, opener, splits in FORMAT_OPENERS:
+        source = opener(p, split, want) if splits else opener(p, want)
         if source is None:
             continue
+        if not splits and split != "train":
+            raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
+                          "(the train split); give the validation data as a separate path")
         if want is not None and source.dtype != want:  # a format that records its dtype
             raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} asked "
                             "for")
@@ -679,49 +640,54 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 
 # -----------------------------------------------------------------------------
-# batches: epochs, global samples, ranks, blending, state
+# batches: epochs, global samples, ranks, blending, state; validation
+
+
+@dataclasses.dataclass
+class BatchConfig:
+    """How the token streams are cut into micro-batches. seq_len, global_batch (the sequences of
+    one optimizer step over all ranks, a multiple of micro_batch * world_size; default one
+    micro-batch per rank) and seed define the sample sequence; micro_batch, rank and world_size
+    only which part of it this process takes, so a resume may change them."""
+    seq_len: int
+    micro_batch: int
+    global_batch: Optional[int] = None
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    prefetch: bool = False  # build the next micro-batch in a thread while the caller trains
 
 
 class Batches:
-    """The endless sequence of this rank's micro-batches (see the module doc).
+    """The endless sequence of this rank's micro-batches (see the module doc): (x, y) for each
+    micro-step of each optimizer step in turn, int64 (micro_batch, seq_len) tensors, y[:, j] ==
+    x[:, j + 1], both views of one buffer (one copy, one transfer to a GPU). Several sources are
+    blended by `weights` (default equal). A state saved with another world_size or micro_batch
+    loads (elastic resume); one with another global_batch, seq_len, seed or blend is refused."""
 
-    Yields (x, y) for optimizer step s, micro-steps m = 0 .. accum_steps - 1 in turn: int64 tensors
-    of shape (micro_batch, seq_len) on `device`, y[:, j] == x[:, j + 1]. Both are views of one
-    (micro_batch, seq_len + 1) buffer (one copy of the tokens, one transfer to a GPU), so they are
-    not contiguous. global_batch, the sequences of an optimizer step over all ranks, is a multiple
-    of micro_batch * world_size; several sources are blended by `weights` (default equal); prefetch
-    builds the next micro-batch in a thread while the caller trains on this one.
-
-    state_dict() is the count of consumed samples (and per source) and the settings that define the
-    sequence. load_state_dict() accepts a state saved with another world_size or micro_batch
-    (elastic resume) and refuses one saved with another global_batch, seq_len, seed or blend.
-    """
-
-    def __init__(self, sources, seq_len, micro_batch, global_batch, rank=0, world_size=1, seed=0,
-                 weights=None, device="cpu", prefetch=False):
+    def __init__(self, sources, cfg: BatchConfig, weights=None):
         import torch
 
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
-        # plain ints: the state goes into a checkpoint's JSON
-        self.seq_len, self.micro_batch = int(seq_len), int(micro_batch)
-        self.global_batch = int(global_batch)
-        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
-        if not 0 <= rank < world_size:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world_size}, found rank "
-                            f"{rank}")
-        per_step = micro_batch * world_size
-        if global_batch % per_step:
-            good = max(1, round(global_batch / per_step)) * per_step
+        B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
+        G = cfg.global_batch or B * world
+        self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
+        if not 0 <= cfg.rank < world:
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found rank "
+                            f"{cfg.rank}")
+        if G % (B * world):
+            good = max(1, round(G / (B * world))) * B * world
             raise DataError(
-                f"global batch {global_batch} sequences (--total-batch-size "
-                f"{global_batch * seq_len} / --seq-len {seq_len}) is not a multiple of micro_batch "
-                f"{micro_batch} (--batch-size) x world_size {world_size} = {per_step}; pick sizes "
-                f"where it is, for example --total-batch-size {good * seq_len} ({good} sequences)")
-        self.accum_steps = global_batch // per_step
-        self._num_windows = [(s.num_tokens - 1) // seq_len for s in self.sources]
+                f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len {L}) is not "
+                f"a multiple of micro_batch {B} (--batch-size) x world_size {world} = {B * world}; "
+                f"pick sizes where it is, for example --total-batch-size {good * L} ({good} "
+                "sequences)")
+        self.accum_steps = G // (B * world)
+        self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
         for s, n in zip(self.sources, self._num_windows):
             if n < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {seq_len + 1} tokens, "
+                raise DataError(f"{s.path}: expected at least seq_len + 1 = {L + 1} tokens, "
                                 f"found {s.num_tokens}")
         ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
         if len(ws) != len(self.sources) or min(ws) <= 0:
@@ -730,12 +696,11 @@ class Batches:
         self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        self.device = torch.device(device)
+        self.device = torch.device(cfg.device)
         # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
         self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
-        # prefetch: the next micro-batch is built in a thread while the caller trains on this one
-        self._pool, self._ahead = ThreadPoolExecutor(1) if prefetch else None, None
+        self._pool, self._ahead = ThreadPoolExecutor(1) if cfg.prefetch else None, None
 
     def __iter__(self):
         return self
@@ -756,9 +721,10 @@ class Batches:
                 **self._settings()}
 
     def _settings(self):
-        # what defines the sample sequence: a resume must keep all of it
-        return {"global_batch": self.global_batch, "seq_len": self.seq_len, "seed": self.seed,
-                "weights": [str(w) for w in self.weights]}
+        # what defines the sample sequence: a resume must keep all of it (plain ints: JSON)
+        c = self.cfg
+        return {"global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
+                "seed": int(c.seed), "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
         for key, mine in self._settings().items():
@@ -766,34 +732,33 @@ class Batches:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}; the sample sequence depends on it, so a "
                                 "resume must keep it (or start a fresh run)")
-        consumed, step = int(state["consumed"]), self.micro_batch * self.world_size
-        if (consumed % self.global_batch) % step:
-            raise DataError(f"loader state: saved {consumed % self.global_batch} samples into an "
-                            "optimizer step, which is not a whole number of micro_batch x "
+        consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
+        if (consumed % self.cfg.global_batch) % step:
+            raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
+                            "an optimizer step, which is not a whole number of micro_batch x "
                             f"world_size = {step} samples; resume from a step boundary")
         self.close()
         self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
 
-    def close(self):
-        """Stop the prefetch thread, if one runs (the next batch starts it again)."""
+    def close(self):  # stops the prefetch thread, if one runs (the next batch starts it again)
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)  # waits for a build under way
             self._pool, self._ahead = ThreadPoolExecutor(1), None
 
     def _build(self, consumed, counts):
-        """This rank's micro-batch at global sample `consumed`, a pure function of the state: (x,
-        y, and the state after the whole micro-step of all ranks)."""
+        """(x, y, the state after this micro-step of all ranks): a pure function of the state."""
         import torch
 
-        B, L, n = self.micro_batch, self.seq_len, self.micro_batch * self.world_size
+        B, L, n = self.cfg.micro_batch, self.cfg.seq_len, self.cfg.micro_batch * self.cfg.world_size
         cuda = self.device.type == "cuda"  # pinned memory, so that the copy can be asynchronous
         g = np.empty((B, L + 1), np.int64) if not cuda else torch.empty(
             (B, L + 1), dtype=torch.int64, pin_memory=True).numpy()
-        if len(self.sources) == 1:  # this rank's slice of the micro-step, converted on the way in
-            self.sources[0].windows(self._window_ids(0, counts[0] + self.rank * B, B), L, out=g)
+        lo = self.cfg.rank * B  # this rank's slice of the micro-step
+        if len(self.sources) == 1:  # converted to int64 on the way in
+            self.sources[0].windows(self._window_ids(0, counts[0] + lo, B), L, out=g)
             counts = (counts[0] + n,)
         else:
-            src, first, counts = _blend(consumed, counts, self._shares, self.rank * B, B, n)
+            src, first, counts = _blend(consumed, counts, self._shares, lo, B, n)
             for k in np.unique(src).tolist():
                 rows = np.flatnonzero(src == k)  # consecutive samples in source k's own order
                 g[rows] = self.sources[k].windows(self._window_ids(k, first[rows[0]], len(rows)), L)
@@ -804,8 +769,7 @@ class Batches:
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
-    def _window_ids(self, k, first, n):
-        """Window ids of source k's samples first .. first + n - 1: slices of epoch orders."""
+    def _window_ids(self, k, first, n):  # of source k's samples first .. first + n - 1
         W = self._num_windows[k]
         e, p = divmod(first, W)
         if p + n <= W:
@@ -815,13 +779,12 @@ class Batches:
         return np.concatenate([self._order(k, e)[pos[epochs == e]]
                                for e in np.unique(epochs).tolist()])
 
-    def _order(self, k, epoch):
-        """Source k's window order for `epoch`: a permutation drawn from (seed, k, epoch) alone."""
+    def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
         cache = self._orders[k]
         if epoch not in cache:
             W = self._num_windows[k]
             order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
-            np.random.default_rng([self.seed, k, epoch]).shuffle(order)
+            np.random.default_rng([self.cfg.seed, k, epoch]).shuffle(order)
             while len(cache) >= 2:
                 cache.pop(min(cache))
             cache[epoch] = order
@@ -829,14 +792,11 @@ class Batches:
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """Blending: the source and per-source sample index of samples [lo, lo + B) of the micro-step
-    of n samples that starts at global sample `consumed`, and the per-source counts after it.
-
-    Earliest deadline first among the sources not ahead of their share, in exact integer
-    arithmetic: weight k = a[k] / D, source k is eligible for sample g when c[k] < (g + 1) a[k] / D,
-    and its next sample's deadline is (c[k] + 1) / a[k]. Every prefix of the sequence is then within
-    one sample of its shares (the simpler "largest deficit first" is not: tests/test_data.py has
-    weights where it strays further)."""
+    """The source and per-source index of samples [lo, lo + B) of the micro-step of n samples at
+    global sample `consumed`, and the per-source counts after it. Earliest deadline first among the
+    sources not ahead of their share, in integers: weight k = a[k] / D, source k is eligible for
+    sample g when c[k] < (g + 1) a[k] / D, its deadline (c[k] + 1) / a[k]. Every prefix is then
+    within one sample of its shares ("largest deficit first" is not: see tests/test_data.py)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
@@ -852,26 +812,22 @@ def _blend(consumed, counts, shares, lo, B, n):
     return src, idx, tuple(c)
 
 
-# -----------------------------------------------------------------------------
-# validation
-
-
-def val_batches(source, seq_len, micro_batch, num_batches, rank=0, world_size=1, device="cpu"):
-    """The fixed validation micro-batches: (x, y) over the first windows of `source`, in order, the
-    same at every call: windows [0, micro_batch), [micro_batch, 2 micro_batch), ... as many full
-    batches as exist up to `num_batches`, or a single smaller one when there are fewer windows than
-    micro_batch. Batch j goes to rank j % world_size (a rank may get one batch fewer than another,
-    or none: sum losses and counts across ranks, not per-rank means)."""
+def val_batches(source, cfg: BatchConfig, num_batches):
+    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... of `source` (B =
+    cfg.micro_batch), as many full batches as exist up to `num_batches`, or one smaller batch when
+    there are fewer windows than B. Batch j goes to rank j % world_size: a rank may get one batch
+    fewer than another, so sum losses and counts across ranks, not per-rank means."""
     import torch
 
-    windows = (source.num_tokens - 1) // seq_len
+    B, L = cfg.micro_batch, cfg.seq_len
+    windows = (source.num_tokens - 1) // L
     if windows < 1:
-        raise DataError(f"{source.path}: expected at least seq_len + 1 = {seq_len + 1} validation "
+        raise DataError(f"{source.path}: expected at least seq_len + 1 = {L + 1} validation "
                         f"tokens, found {source.num_tokens}")
-    n = min(num_batches * micro_batch, windows)
-    bounds = [(j * micro_batch, (j + 1) * micro_batch) for j in range(n // micro_batch)] or [(0, n)]
-    pin = torch.device(device).type == "cuda"
-    for j in range(rank, len(bounds), world_size):
-        g = torch.from_numpy(source.windows(np.arange(*bounds[j]), seq_len).astype(np.int64))
-        g = (g.pin_memory() if pin else g).to(device, non_blocking=pin)
+    n = min(num_batches * B, windows)
+    bounds = [(j * B, (j + 1) * B) for j in range(n // B)] or [(0, n)]
+    pin = torch.device(cfg.device).type == "cuda"
+    for j in range(cfg.rank, len(bounds), cfg.world_size):
+        g = torch.from_numpy(source.windows(np.arange(*bounds[j]), L).astype(np.int64))
+        g = (g.pin_memory() if pin else g).to(cfg.device, non_blocking=pin)
         yield g[:, :-1], g[:, 1:]  # views of one buffer offset by a token, as Batches gives

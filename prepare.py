@@ -8,21 +8,17 @@
 
 Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
 files (one file is one document), .jsonl files (one line is one document: its "text" field), each
-optionally gzipped, and .parquet files (one row is one document: its "text" column, read a slice of
-a row group at a time; a null is an empty document); --text-field names another field or column.
-Every document is followed by the tokenizer's EOS id. Document n (counted from 1, in input order)
-goes to the validation split when round(n * f) grows there, halves rounded up: every 1/f-th
-document, the first at about 1/(2f), so that neither the start nor a large first file is favoured,
-and every prefix of the corpus holds round(prefix * f) of them. When that is none (fewer than
-1/(2f) documents, f > 0), the last document is the validation split. The rest go to train; each
-split is cut into shards of about --shard-tokens tokens at document ends. Tokenization runs in
---workers processes; results come back in input order, so the output is byte-identical for any
-worker count.
+optionally gzipped, and .parquet files (one row is one document: its "text" column; a null is an
+empty document); --text-field names another field or column. Every document is followed by the
+tokenizer's EOS id; every 1/f-th document goes to the validation split (_is_val says exactly which),
+the rest to train, each split cut into shards of about --shard-tokens tokens at document ends.
+Tokenization runs in --workers processes, in bounded memory; results come back in input order, so
+the output is byte-identical for any worker count.
 
-The output is built in a hidden directory beside --out-dir and put in its place only when complete
-(data.replace_dir): a failure or a kill never leaves a half-written directory that looks valid,
-never loses the previous output, and files you added to a previous output move into the new one.
-Ctrl-C and SIGTERM stop the command, workers included, within a second or so (exit 130 or 143).
+The output is built beside --out-dir and put in its place only when complete (data.replace_dir): a
+failure or a kill never leaves a half-written directory that looks valid, never loses the previous
+output, and files you added to it move into the new one. Ctrl-C and SIGTERM stop the command,
+workers included, within a second or so (exit 130 or 143).
 """
 import contextlib
 import dataclasses
@@ -46,7 +42,7 @@ from typing import Annotated, List, Optional
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
@@ -109,14 +105,11 @@ def find_inputs(paths) -> list:
     for p in map(Path, paths):
         if not p.exists():
             raise DataError(f"{p}: no such file or directory")
-        if p.is_file():
-            if _kind(p) is None:
-                raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) "
-                                f"or a .parquet file, found {p.suffix or 'no suffix'}")
-            files.append(p)
-            continue
-        found = []
-        for root, dirs, names in os.walk(p):
+        if p.is_file() and _kind(p) is None:
+            raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) or a "
+                            f".parquet file, found {p.suffix or 'no suffix'}")
+        found = [p] if p.is_file() else []
+        for root, dirs, names in os.walk(p):  # (nothing for a file)
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             found += [Path(root) / n for n in names if _kind(Path(n)) is not None]
         files += sorted(found, key=lambda f: f.relative_to(p).parts)
@@ -178,8 +171,7 @@ def _parquet_texts(path, text_field):
 
 def read_documents(files, text_field="text"):
     """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file, line or
-    slice of a Parquet row group at a time. A Parquet row is a "text" document: its bytes are the
-    text."""
+    slice of a Parquet row group at a time (a Parquet row is a "text" document)."""
     for i, f in enumerate(files):
         if _kind(f) == "parquet":
             yield from (("text", raw, (i, 0)) for raw in _parquet_texts(f, text_field))
@@ -196,7 +188,7 @@ def read_documents(files, text_field="text"):
             raise DataError(f"{f}: could not read it ({e})") from None
 
 
-def _batched(documents):
+def _batched(documents):  # (items, origins) of about BATCH_BYTES of documents at a time
     items, origins, size = [], [], 0
     for kind, raw, origin in documents:
         items.append((kind, raw))
@@ -230,16 +222,13 @@ def _text_of(kind, raw, text_field):
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
-    value = obj.get(text_field) if isinstance(obj, dict) else None
+    value, field = obj.get(text_field) if isinstance(obj, dict) else None, json.dumps(text_field)
     if not isinstance(value, str):
-        if not isinstance(obj, dict):
-            found = f"a JSON {_json_type(obj)}"
-        elif text_field in obj:
-            found = f"a {_json_type(value)} in {json.dumps(text_field)}, not a string"
-        else:
-            found = f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}"
-        raise ValueError(f"expected a JSON object with a string {json.dumps(text_field)} field "
-                         f"(--text-field), found {found}")
+        found = (f"a JSON {_json_type(obj)}" if not isinstance(obj, dict) else
+                 f"a {_json_type(value)} in {field}, not a string" if text_field in obj else
+                 f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
+        raise ValueError(f"expected a JSON object with a string {field} field (--text-field), "
+                         f"found {found}")
     text, n = _SURROGATE.subn("\ufffd", value)  # lone surrogates (\ud800 escapes) are not UTF-8
     return text, bad + n
 
@@ -250,8 +239,8 @@ def _json_type(value):
 
 
 def _encode_batch(tok, items, dtype, text_field):
-    """Tokens of a batch of documents, each followed by EOS: (tokens (N,), lengths (D,) with 0 for
-    an empty document, which is skipped, undecodable count, None or (item index, error message))."""
+    """(tokens (N,) of the documents, each followed by EOS, lengths (D,) with 0 for an empty one,
+    which is skipped, undecodable count, None or (item index, error message))."""
     eos = np.array([tok.eos_id], dtype=dtype)
     pieces, lengths, bad = [], [], 0
     for i, (kind, raw) in enumerate(items):
@@ -288,11 +277,9 @@ def _worker(conn, parents_end, tok):
 @contextlib.contextmanager
 def _workers(n, tok):
     """n tokenizer processes (their pipes), each with a copy of `tok`, ended by SIGTERM however the
-    block is left.
-
-    Not a multiprocessing.Pool: a pool worker that dies while it holds the shared task queue's
-    lock (as SIGTERM to the process group does to an idle one) makes the pool's terminate() wait
-    forever. Here no process shares a lock or a pipe with another one."""
+    block is left. Not a multiprocessing.Pool: a pool worker that dies holding the shared task
+    queue's lock (as SIGTERM to the process group does to an idle one) makes the pool's
+    terminate() wait forever. Here no process shares a lock or a pipe with another one."""
     ctx, procs, conns = multiprocessing.get_context(), [], []
     # The stop signals stay blocked until every worker has set its own handlers (the mask is
     # inherited); one that came meanwhile is raised at the unblock, inside the try.
@@ -318,8 +305,7 @@ def _workers(n, tok):
 
 def _encoded(files, tok, dtype, conns, text_field):
     """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order. Batch k goes
-    to worker k % n, one at a time each, so memory stays bounded whatever the corpus size, and a
-    result is taken (and the worker given its next batch) in turn. No conns: in this process."""
+    to worker k % n, one at a time each, so memory stays bounded; no conns: in this process."""
     batches = _batched(read_documents(files, text_field))
     if not conns:
         for items, origins in batches:
@@ -351,10 +337,9 @@ def _encoded(files, tok, dtype, conns, text_field):
 
 
 class ShardWriter:
-    """One split's shards: whole documents appended in order, a new shard when the next document
-    would overflow --shard-tokens (a document larger than that gets a shard of its own). Each shard
-    is fsynced when complete; `shards` collects the manifest entries. (No temporary names: the
-    whole directory is a stage until replace_dir puts it in place.)"""
+    """One split's shards: whole documents in order, a new shard when the next document would
+    overflow --shard-tokens (a longer one gets a shard of its own); `shards`: the manifest entries.
+    (No temporary names: the whole directory is a stage until replace_dir puts it in place.)"""
 
     def __init__(self, directory: Path, split: str, shard_tokens: int):
         self.directory, self.split, self.shard_tokens, self.shards, self.f = (
@@ -420,8 +405,7 @@ def _ours(old: Path) -> set:
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
     """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the
-    manifest. `options` are Options' fields. All are checked, and the tokenizer loaded, before any
-    work starts; `out` is replaced only once the new output is complete (see the module doc)."""
+    manifest. `options` are Options' fields, all checked (and the tokenizer loaded) before work."""
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
@@ -450,10 +434,9 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
         f"({tokens / seconds:,.0f} tokens/s, {o.workers} worker{'s' * (o.workers > 1)}): train "
         f"{train['tokens']:,} tokens in {len(train['shards'])} shards, val {val['tokens']:,} "
         "tokens")
-    notes = [f"replaced {n:,} undecodable byte sequence{'s' * (n > 1)} with U+FFFD"
-             for n in [stats["undecodable_replaced"]] if n]
-    notes += [f"skipped {n:,} empty document{'s' * (n > 1)}"
-              for n in [stats["empty_documents_skipped"]] if n]
+    bad, empty = stats["undecodable_replaced"], stats["empty_documents_skipped"]
+    notes = [f"replaced {bad:,} undecodable byte sequence{'s' * (bad > 1)} with U+FFFD"] * (bad > 0)
+    notes += [f"skipped {empty:,} empty document{'s' * (empty > 1)}"] * (empty > 0)
     if notes:
         log(f"note: {'; '.join(notes)}")
     return m
@@ -490,15 +473,9 @@ def _write_splits(stage, files, stream, o, show):
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
-    held = None  # each batch is written when the next comes: the very last document may yet have
-    # to be the validation split
-    counts = TextColumn("{task.completed}/{task.total} files {task.fields[docs]:,} docs "
-                        "{task.fields[tokens]:,} tokens {task.fields[rate]:,.0f} tok/s")
-    t0 = time.perf_counter()
-    with Progress(TextColumn("[bold]tokenizing"), BarColumn(), counts, TimeElapsedColumn(),
-                  disable=not (show and sys.stdout.isatty())) as bar, \
-            contextlib.closing(stream):
-        task = bar.add_task("", total=len(files), docs=0, tokens=0, rate=0.0)
+    held = None  # a batch is written when the next comes: the last document may yet be val's
+    with Progress(disable=not (show and sys.stdout.isatty())) as bar, contextlib.closing(stream):
+        task, t0 = bar.add_task("tokenizing", total=len(files)), time.perf_counter()
         for origins, toks, lengths, bad, error in stream:
             if error is not None:
                 file_index, lineno = origins[error[0]]
@@ -508,8 +485,9 @@ def _write_splits(stage, files, stream, o, show):
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
             docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
-            bar.update(task, completed=origins[-1][0] + 1, docs=docs, tokens=tokens,
-                       rate=tokens / max(time.perf_counter() - t0, 1e-9))
+            rate = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, completed=origins[-1][0] + 1, description=f"tokenizing: {docs:,} docs "
+                       f"{tokens:,} tokens {rate:,.0f} tok/s")
             if len(lengths):
                 if held is not None:
                     _add(writers, *held)
@@ -527,20 +505,18 @@ def _write_splits(stage, files, stream, o, show):
 
 
 def _add(writers, toks, lengths, is_val):
-    """Documents (tokens (N,), lengths (D,)) to their splits; is_val (D,) says which are
-    validation's."""
-    if is_val.any():
-        val_tokens = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
-        writers["val"].add(toks[val_tokens], lengths[is_val])
-        writers["train"].add(toks[~val_tokens], lengths[~is_val])
-    else:  # most batches: no copy
-        writers["train"].add(toks, lengths)
+    # documents (tokens (N,), lengths (D,)) to their splits, is_val (D,) saying which is which
+    v = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
+    writers["val"].add(toks[v], lengths[is_val])
+    writers["train"].add(toks[~v], lengths[~is_val])
 
 
 def _is_val(n, f: Fraction):
     """Document n (from 0) is a validation document when round((n + 1) f) > round(n f), halves
-    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds
-    round(prefix * f) of them, spread evenly, the first at about 1 / (2f)."""
+    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds round(prefix *
+    f) of them, spread evenly, the first at about 1 / (2f), so that neither the start nor a large
+    first file is favoured. When that is none (fewer than 1/(2f) documents, f > 0), _write_splits
+    makes the last document the validation split."""
     p, q = f.numerator, f.denominator
     return (2 * (n + 1) * p + q) // (2 * q) > (2 * n * p + q) // (2 * q)
 
@@ -550,9 +526,8 @@ def _is_val(n, f: Fraction):
 
 
 def verify(directory) -> list:
-    """Re-check a prepared directory: every shard's size, sha256, max token id, document count (EOS
-    count) and final EOS against the manifest, which read_manifest checks for consistency, and the
-    tokenizer file. Returns the problems found."""
+    """The problems of a prepared directory: each shard's size, sha256, max token id, EOS count and
+    final EOS against the manifest (which read_manifest checks), and the tokenizer file."""
     directory = Path(directory)
     try:
         m = read_manifest(directory)

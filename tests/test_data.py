@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import data
-from data import Batches, DataError, NoSplit, check_vocab, open_blend, open_tokens, val_batches
+from data import (BatchConfig, Batches, DataError, NoSplit, check_vocab, open_blend, open_tokens,
+                  val_batches)
 
 L = 7  # a small seq_len makes many windows out of small files
 
@@ -103,6 +104,11 @@ def window_index(stream):
     return {tuple(stream[i * L : i * L + L]): i for i in range((len(stream) - 1) // L)}
 
 
+def batches(sources, seq_len, micro_batch, global_batch, weights=None, **cfg):
+    """Batches with these settings (the rest of BatchConfig's fields by keyword)."""
+    return Batches(sources, BatchConfig(seq_len, micro_batch, global_batch, **cfg), weights)
+
+
 def take(batches, n):
     return [next(batches) for _ in range(n)]
 
@@ -120,7 +126,7 @@ def test_windows_on_every_source_kind(kind, tmp_path):
     want = np.stack([s[i * L : i * L + L + 1] for i in range(W)])
     np.testing.assert_array_equal(source.windows(np.arange(W), L), want)
     # One epoch of Batches visits every window exactly once, including the last (complete) one.
-    b = Batches(source, L, micro_batch=1, global_batch=1, seed=3)
+    b = Batches(source, BatchConfig(L, micro_batch=1, global_batch=1, seed=3))
     index = window_index(s)
     seen = []
     for x, y in take(b, W):
@@ -362,7 +368,7 @@ def test_order_is_a_function_of_seed_and_epoch(tmp_path):
     source, s = make_source("raw", tmp_path, n=300)
     W, index = (len(s) - 1) // L, window_index(s)
     def run(seed):
-        return windows_of(take(Batches(source, L, 1, 1, seed=seed), 3 * W), index)
+        return windows_of(take(batches(source, L, 1, 1, seed=seed), 3 * W), index)
 
     a = run(0)
     assert a == run(0)
@@ -377,7 +383,7 @@ def test_one_step_sees_the_same_samples_for_any_world_size_and_micro_batch(tmp_p
     index, G = window_index(s), 8
 
     def step_windows(world_size, micro_batch, steps=4):
-        ranks = [Batches(source, L, micro_batch, G, rank=r, world_size=world_size, seed=5)
+        ranks = [batches(source, L, micro_batch, G, rank=r, world_size=world_size, seed=5)
                  for r in range(world_size)]
         accum = G // (micro_batch * world_size)
         assert ranks[0].accum_steps == accum
@@ -396,37 +402,37 @@ def test_one_step_sees_the_same_samples_for_any_world_size_and_micro_batch(tmp_p
 def test_indivisible_global_batch_is_refused(tmp_path):
     source, _ = make_source("raw", tmp_path)
     with pytest.raises(DataError) as e:
-        Batches(source, L, micro_batch=2, global_batch=10, world_size=4)
+        batches(source, L, micro_batch=2, global_batch=10, world_size=4)
     assert str(e.value) == ("global batch 10 sequences (--total-batch-size 70 / --seq-len 7) is "
                             "not a multiple of micro_batch 2 (--batch-size) x world_size 4 = 8; "
                             "pick sizes where it is, for example --total-batch-size 56 (8 "
                             "sequences)")
     with pytest.raises(DataError, match="rank"):
-        Batches(source, L, 1, 4, rank=4, world_size=4)
+        batches(source, L, 1, 4, rank=4, world_size=4)
     with pytest.raises(DataError, match="seq_len"):
-        Batches(source, 10_000, 1, 1)
+        batches(source, 10_000, 1, 1)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_mid_epoch_resume_continues_identically(prefetch, tmp_path):
     source, s = make_source("manifest", tmp_path, n=500)
     index, G = window_index(s), 6
-    full = Batches(source, L, 3, G, seed=9)
+    full = batches(source, L, 3, G, seed=9)
     reference = windows_of(take(full, 40), index)  # 120 samples: crosses the epoch boundary at 71
 
-    first = Batches(source, L, 3, G, seed=9, prefetch=prefetch)
+    first = batches(source, L, 3, G, seed=9, prefetch=prefetch)
     got = windows_of(take(first, 10), index)  # 5 optimizer steps
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
     assert state["consumed"] == 30 and state["source_consumed"] == [30]
     first.close()
-    second = Batches(source, L, 3, G, seed=9, prefetch=prefetch)
+    second = batches(source, L, 3, G, seed=9, prefetch=prefetch)
     second.load_state_dict(state)
     got += windows_of(take(second, 30), index)
     second.close()
     assert got == reference
 
     # Elastic: resume the same state on 2 ranks with micro batch 1 (accum 3): the same samples.
-    ranks = [Batches(source, L, 1, G, rank=r, world_size=2, seed=9) for r in range(2)]
+    ranks = [batches(source, L, 1, G, rank=r, world_size=2, seed=9) for r in range(2)]
     for b in ranks:
         b.load_state_dict(state)
     elastic = [w for _ in range(3 * 10) for b in ranks for w in windows_of([next(b)], index)]
@@ -435,22 +441,22 @@ def test_mid_epoch_resume_continues_identically(prefetch, tmp_path):
 
 def test_state_mismatch_is_a_clear_error(tmp_path):
     source, _ = make_source("raw", tmp_path)
-    b = Batches(source, L, 2, 4, seed=1)
+    b = batches(source, L, 2, 4, seed=1)
     take(b, 3)
     state = b.state_dict()
     with pytest.raises(DataError, match="global_batch = 4, but this run has global_batch = 8"):
-        Batches(source, L, 2, 8, seed=1).load_state_dict(state)
+        batches(source, L, 2, 8, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="seed = 1, but this run has seed = 2"):
-        Batches(source, L, 2, 4, seed=2).load_state_dict(state)
+        batches(source, L, 2, 4, seed=2).load_state_dict(state)
     with pytest.raises(DataError, match="not a whole number of micro_batch x world_size = 4"):
         # saved mid-step (3 micro-batches of 2)
-        Batches(source, L, 4, 4, seed=1).load_state_dict(state)
+        batches(source, L, 4, 4, seed=1).load_state_dict(state)
 
 
 def test_prefetch_state_is_what_the_consumer_took(tmp_path):
     source, _ = make_source("raw", tmp_path)
-    b = Batches(source, L, 2, 4, prefetch=True)
-    plain = Batches(source, L, 2, 4)
+    b = batches(source, L, 2, 4, prefetch=True)
+    plain = batches(source, L, 2, 4)
     for i in range(1, 6):
         x, _ = next(b)
         assert torch.equal(x, next(plain)[0])
@@ -471,7 +477,7 @@ def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
     for k in range(len(weights)):  # disjoint token ranges: a sample's tokens name its source
         (np.arange(100 + 13 * k) + 1000 * k).astype(np.uint16).tofile(tmp_path / f"{k}.bin")
         sources.append(open_tokens(tmp_path / f"{k}.bin"))
-    b = Batches(sources, L, 1, 1, weights=weights, seed=2)
+    b = batches(sources, L, 1, 1, weights=weights, seed=2)
     w = np.array(weights, float) / sum(weights)
     counts = np.zeros(len(weights))
     for n in range(1, 601):
@@ -481,14 +487,14 @@ def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
     # per source, the samples follow that source's own epochs
     state = b.state_dict()
     assert state["source_consumed"] == counts.astype(int).tolist()
-    again = Batches(sources, L, 1, 1, weights=weights, seed=2)
+    again = batches(sources, L, 1, 1, weights=weights, seed=2)
     again.load_state_dict(state)
-    cont = Batches(sources, L, 1, 1, weights=weights, seed=2)
+    cont = batches(sources, L, 1, 1, weights=weights, seed=2)
     take(cont, 600)
     for _ in range(20):
         assert torch.equal(next(again)[0], next(cont)[0])
     with pytest.raises(DataError, match="weights"):
-        Batches(sources, L, 1, 1, weights=[1] * len(weights), seed=2).load_state_dict(state)
+        batches(sources, L, 1, 1, weights=[1] * len(weights), seed=2).load_state_dict(state)
 
 
 def test_blending_data_of_two_tokenizers_is_refused(tmp_path):
@@ -506,9 +512,9 @@ def test_blend_samples_are_the_same_across_world_sizes(tmp_path):
     for k in range(2):
         (np.arange(200) + 1000 * k).astype(np.uint16).tofile(tmp_path / f"{k}.bin")
         sources.append(open_tokens(tmp_path / f"{k}.bin"))
-    one = Batches(sources, L, 4, 4, weights=[0.7, 0.3])
+    one = batches(sources, L, 4, 4, weights=[0.7, 0.3])
     ref = [tuple(r) for _ in range(5) for r in next(one)[0].tolist()]
-    ranks = [Batches(sources, L, 1, 4, rank=r, world_size=2, weights=[0.7, 0.3]) for r in range(2)]
+    ranks = [batches(sources, L, 1, 4, rank=r, world_size=2, weights=[0.7, 0.3]) for r in range(2)]
     got = [tuple(next(b)[0][0].tolist()) for _ in range(10) for b in ranks]
     assert got == ref
 
@@ -520,37 +526,38 @@ def test_blend_samples_are_the_same_across_world_sizes(tmp_path):
 def test_val_batches_are_the_first_windows_fixed_and_split_over_ranks(tmp_path):
     source, s = make_source("manifest", tmp_path, n=500)
     W = (len(s) - 1) // L  # 71
-    one = [(x.clone(), y.clone()) for x, y in val_batches(source, L, 4, 5)]
+    one = [(x.clone(), y.clone()) for x, y in val_batches(source, BatchConfig(L, 4), 5)]
     assert len(one) == 5
     x_all = torch.cat([x for x, _ in one])
     np.testing.assert_array_equal(x_all.numpy(),
                                   np.stack([s[i * L : i * L + L] for i in range(20)]))
-    again = list(val_batches(source, L, 4, 5))
+    again = list(val_batches(source, BatchConfig(L, 4), 5))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, again))
     for ws in (2, 3):
-        parts = [list(val_batches(source, L, 4, 5, rank=r, world_size=ws)) for r in range(ws)]
+        parts = [list(val_batches(source, BatchConfig(L, 4, rank=r, world_size=ws), 5))
+                 for r in range(ws)]
         assert sorted(tuple(x.flatten().tolist()) for p in parts for x, _ in p) == sorted(
             tuple(x.flatten().tolist()) for x, _ in one)
     # more batches asked for than exist: the full batches that exist
-    assert len(list(val_batches(source, L, 4, 100))) == W // 4
+    assert len(list(val_batches(source, BatchConfig(L, 4), 100))) == W // 4
     # fewer windows than one micro batch: a single smaller batch
     small = open_tokens(write_manifest_dir(tmp_path / "s", {"train": s[:30]}))
-    (x, y), = list(val_batches(small, L, 8, 3))
+    (x, y), = list(val_batches(small, BatchConfig(L, 8), 3))
     assert x.shape == (4, L) and torch.equal(x[:, 1:], y[:, :-1])
     tiny = open_tokens(write_manifest_dir(tmp_path / "t", {"train": s[:L]}))
     with pytest.raises(DataError, match="at least seq_len \\+ 1 = 8 validation tokens, found 7"):
-        list(val_batches(tiny, L, 1, 1))
+        list(val_batches(tiny, BatchConfig(L, 1), 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_batches_equal_cpu_batches(tmp_path):
     source, _ = make_source("raw", tmp_path)
     for prefetch in (False, True):
-        gpu = Batches(source, L, 4, 8, device="cuda", prefetch=prefetch)
-        cpu = Batches(source, L, 4, 8)
+        gpu = batches(source, L, 4, 8, device="cuda", prefetch=prefetch)
+        cpu = batches(source, L, 4, 8)
         for _ in range(5):
             (xg, yg), (xc, yc) = next(gpu), next(cpu)
             assert xg.is_cuda and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc)
         gpu.close()
-    xv, _ = next(val_batches(source, L, 4, 1, device="cuda"))
+    xv, _ = next(val_batches(source, BatchConfig(L, 4, device="cuda"), 1))
     assert xv.is_cuda

@@ -213,7 +213,7 @@ def test_blend_weight_errors_of_batches_name_the_flag(tmp_path):
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "a.bin")
     source = data.open_tokens(tmp_path / "a.bin")
     with pytest.raises(data.DataError) as e:
-        data.Batches([source, source], 7, 1, 1, weights=[1, 0])
+        data.Batches([source, source], data.BatchConfig(7, 1, 1), weights=[1, 0])
     assert str(e.value) == ("blend weights: expected 2 positive weights, one per source (train.py: "
                             "--data PATH:WEIGHT), found [1, 0]")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import prepare
-from data import DataError, Batches, open_tokens, read_manifest
+from data import BatchConfig, Batches, DataError, open_tokens, read_manifest
 from data import load_tokenizer
 from prepare import demo_inputs, find_inputs, verify
 
@@ -223,7 +223,7 @@ def test_demo_corpus_builds(tmp_path):
                                log=quiet)
     expected = [np.array(list(f.read_bytes()) + [256]) for f in files]
     check_output(tmp_path / "demo", manifest, expected, 0.01, 50_000_000)
-    x, y = next(Batches(open_tokens(tmp_path / "demo"), 64, 4, 4))
+    x, y = next(Batches(open_tokens(tmp_path / "demo"), BatchConfig(64, 4, 4)))
     assert x.shape == (4, 64)
 
 
