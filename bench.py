@@ -285,7 +285,7 @@ def bench_loaders(path, files, L, B, reps, per_call):
     # file, so the steady state pays nothing for it; its one-time cost is timed here.
     D.check_vocab(source, 1 << 16)
     check = timed(lambda: source.windows(np.arange(W), L))  # every window, so every file, once
-    loader = D.Batches(source, L, B, B, seed=0)
+    loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))
 
     def batches():  # like a training loop, each batch is dropped before the next is taken
         for _ in range(per_call):

@@ -304,8 +304,9 @@ def evaluate(model, val, cfg, autocast, rank, world):
     model.eval()
     device = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
-    windows = (val, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank, world, device)
-    for x, y in data.val_batches(*windows):
+    layout = data.BatchConfig(cfg.seq_len, cfg.batch_size, rank=rank, world_size=world,
+                              device=device)
+    for x, y in data.val_batches(val, layout, cfg.eval_batches):
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
         total[1] += y.numel()
     if world > 1:
@@ -423,7 +424,8 @@ class Log:
 
 def header(log, cfg, model, batches, val):
     """The resolved run in one panel: what a reader of the log needs to know it is the run meant."""
-    c, tokens, world = model.config, sum(s.num_tokens for s in batches.sources), batches.world_size
+    c, world = model.config, batches.cfg.world_size
+    tokens = sum(s.num_tokens for s in batches.sources)
     planned, blend = cfg.total_batch_size * cfg.max_steps, len(cfg.data) > 1
     sources = [f"{s.path}" + (f" ({float(w):.0%} of the samples)" if blend else "")
                for s, w in zip(batches.sources, batches.weights)]
@@ -619,8 +621,9 @@ def setup(cfg, init, tmp, cleanup):
     sources, weights, val, vocab = data.open_blend(cfg.data, cfg.data_dtype, cfg.vocab_size,
                                                    cfg.seed, tmp)
     world, sequences = max(world, 1), cfg.total_batch_size // cfg.seq_len  # per optimizer step
-    batches = data.Batches(sources, cfg.seq_len, cfg.batch_size, sequences, rank, world, cfg.seed,
-                           weights, cfg.device, prefetch=cfg.device == "cuda")
+    layout = data.BatchConfig(cfg.seq_len, cfg.batch_size, sequences, cfg.seed, rank, world,
+                              cfg.device, prefetch=cfg.device == "cuda")
+    batches = data.Batches(sources, layout, weights)
     cleanup.callback(batches.close)
     if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the
         val = None  # header says that evaluation is off; the training is still worth running

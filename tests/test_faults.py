@@ -429,7 +429,8 @@ def test_resuming_on_other_data_is_refused_unless_meant(run3, corpus, tmp_path):
 def test_the_data_identity_sees_other_shards_not_other_paths(corpus, tmp_path):
     def identity(path):
         sources, weights, _, _ = data.open_blend([str(path)])
-        return [(d["weight"], d["files"]) for d in train.data_identity(data.Batches(sources, 8, 1, 1))]
+        batches = data.Batches(sources, data.BatchConfig(8, 1, 1))
+        return [(d["weight"], d["files"]) for d in train.data_identity(batches)]
 
     shutil.copytree(corpus, tmp_path / "copy")
     assert identity(tmp_path / "copy") == identity(corpus)  # the same shards moved elsewhere: the same data
