@@ -136,8 +136,8 @@ class TrainError(Exception):
 
 
 def resolve(cfg, init=None):
-    """The (preset) flags from the recipe, auto settled, and what cannot work refused before
-    anything runs. With --init-from (init: its ModelConfig fields), the recipe is its shape's."""
+    """The (preset) flags from the recipe (with --init-from, init: its ModelConfig fields, that of
+    its shape), auto settled, and what cannot work refused before anything runs."""
     model = cfg.model or "small"
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
@@ -145,26 +145,23 @@ def resolve(cfg, init=None):
         if (cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"])
                 or cfg.mimo_rank not in (None, init["mimo_rank"])):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model, --vocab-size and --mimo-rank may not change it: leave them "
-                             f"out")
+                             f"--model, --vocab-size and --mimo-rank may not change it: leave them out")
         model = cfg.model or (same + ["small"])[0]
-    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
-              for k, v in RECIPES[model].items()}
+    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         with torch.device("meta"):
             params = Mamba3LM(PRESETS[model]).num_params()
         recipe["max_steps"] = max(1, 20 * params // recipe["total_batch_size"])
-    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**dataclasses.asdict(cfg), **recipe}.items()
-               if isinstance(v, float) and not math.isfinite(v)]:
+    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**vars(cfg), **recipe}.items()
+               if isinstance(v, float) and not math.isfinite(v)]:  # (Typer takes inf and nan)
         raise TrainError(f"{', '.join(bad)}: expected a finite number")
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
     if not cfg.out_dir.strip():
         raise TrainError("--out-dir is empty; name the run's directory (the default is out)")
     if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
-        raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: a new run from its "
-                         f"weights cannot write there. To continue that run leave out --init-from; "
-                         f"to start from its weights give the new run another --out-dir")
+        raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: to continue that run "
+                         f"leave out --init-from; to start from its weights use another --out-dir")
     if (tokens := recipe["total_batch_size"]) % (seq_len := recipe["seq_len"]):
         raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len "
                          f"{seq_len}; use a multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
@@ -190,8 +187,7 @@ def build_model(cfg, init, source):
                          f"directory); {source.path} does not")
     if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
         raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} "
-                         f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
-                         f"mean other things")
+                         f"tokenizer, the data with {source.tokenizer['name']}: the ids differ")
     config = ModelConfig(**init[0]) if init else dataclasses.replace(
         PRESETS[cfg.model], vocab_size=cfg.vocab_size, mimo_rank=cfg.mimo_rank or 1)
     if cfg.reset_at_eos:
@@ -212,8 +208,8 @@ def free_memory(device):
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         free, group = int(info["MemAvailable"].split()[0]) * 1024, Path("/sys/fs/cgroup")
         with contextlib.suppress(OSError, ValueError):  # no cgroup v2 limit ("max", or none)
-            free = min(free, int((group / "memory.max").read_text()) - int(
-                (group / "memory.current").read_text()))
+            free = min(free, int((group / "memory.max").read_text())
+                       - int((group / "memory.current").read_text()))
         return free
 
 
@@ -231,8 +227,7 @@ def check_memory(cfg, config):
     def act(n, recompute):  # bytes: the activations of n sequences on each rank of this machine
         return ranks * activation_bytes(config, n * cfg.seq_len, recompute)
 
-    need = fixed + act(b, cfg.grad_checkpointing)
-    if free is None or need <= free:
+    if free is None or (need := fixed + act(b, cfg.grad_checkpointing)) <= free:
         return
     n, r = (max([n for n in range(1, b + 1) if sequences % (n * world) == 0  # (n must divide)
                  and fixed + act(n, recompute) <= free], default=0)
@@ -271,7 +266,7 @@ def micro_step(model, x, y, autocast):
 
 def train_step(model, batches, autocast, world, signals):
     """Accumulate one optimizer step's gradient over its micro-batches. Returns (the mean loss,
-    whether any rank was signalled to stop): the same on every rank."""
+    whether any rank was signalled to stop), the same on every rank."""
     stats = torch.zeros(2, device=next(model.parameters()).device)  # summed loss; signals seen
     for m in range(batches.accum_steps):
         x, y = next(batches)
@@ -360,7 +355,6 @@ class NanGuard:
                              f"or check the data around these steps")
 
 
-
 def train_metrics(cfg, model, good, steps, seconds, peak):
     """A log line's values over its `steps`: the mean loss and gradient norm of the good ones (NaN
     after skipped steps only), the throughput and, given the FLOP/s `peak` of all GPUs, the MFU."""
@@ -370,8 +364,9 @@ def train_metrics(cfg, model, good, steps, seconds, peak):
     return dict(loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm, tok_per_s=tok_per_s,
                 ms_per_step=1000 * seconds / steps, mfu=flops / peak if peak else None)
 
-# How the values of a train or eval record read on the console, in this order (a value not listed
-# is in the record only): a new metric is one more value where `run` logs, and maybe a line here.
+
+# How a train or eval record's values read on the console, in this order (a value not listed is in
+# the record only): a new metric is one more value where `run` logs, and a line here to show it.
 SHOW = dict(loss="loss {:.4f}", ppl="ppl {:.2f}", lr="lr {:.2e}", grad_norm="grad norm {:.3f}",
             tok_per_s="{:,.0f} tok/s", ms_per_step="{:.0f} ms/step", mfu="MFU {:.1%}",
             val_loss="val loss {:.4f}", val_ppl="ppl {:.2f}")
@@ -394,11 +389,11 @@ class Log:
         if line is not None:
             self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
         if record and self.path is not None:
-            write(self.path, json.dumps(record) + "\n", "a")
-        with contextlib.suppress(Exception):  # a logging service must never stop training
-            if record and self.wandb is not None:
-                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-                self.wandb.log(numbers, record["step"])
+            write(self.path, json.dumps(record) + "\n", append=True)
+        if record and self.wandb is not None:
+            with contextlib.suppress(Exception):  # a logging service must never stop training
+                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                               record["step"])
 
     def metrics(self, kind, step, **values):
         """A train or eval record, with the tokens seen (plot.py's x axis), and its line. NaN (a
@@ -425,12 +420,12 @@ def header(log, cfg, model, batches, val):
     """The resolved run in one panel: what a reader of the log needs to know it is the run meant."""
     c, tokens, world = model.config, sum(s.num_tokens for s in batches.sources), batches.world_size
     planned, blend = cfg.total_batch_size * cfg.max_steps, len(cfg.data) > 1
-    sources = [f"{s.path}" + (f" ({float(w):.0%} of the samples)" if blend else "")
+    sources = [f"{s.path}" + f" ({float(w):.0%} of the samples)" * blend
                for s, w in zip(batches.sources, batches.weights)]
     lines = [
         f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model "
         f"{c.d_model}, vocab {c.vocab_size}" + f", mimo rank {c.mimo_rank}" * (c.mimo_rank > 1)
-        + (f", reset after token {c.reset_token})" if c.reset_token is not None else ")"),
+        + f", reset after token {c.reset_token}" * (c.reset_token is not None) + ")",
         f"device     {cfg.device}"
         + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
         + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {world}"
@@ -442,7 +437,7 @@ def header(log, cfg, model, batches, val):
         f"{planned:,} planned = {planned / tokens:.2f} epochs",
         f"eval       every {cfg.eval_every} steps on {val.path} (val)" if val else
         "eval       [bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]",
-        f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "")
+        f"out        {cfg.out_dir}" + " (dry run: nothing written)" * cfg.dry_run
         + f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
         f"optimizer  AdamW for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"({cfg.schedule}, {cfg.warmup_steps} warmup), weight decay {cfg.weight_decay:g}, grad "
@@ -455,10 +450,10 @@ def header(log, cfg, model, batches, val):
 # the run directory: files that survive a full disk, branches moved aside, resume
 
 
-def write(path, text, mode="w"):
+def write(path, text, append=False):
     """Write `path` whole (atomically) or append to it; a full disk is a TrainError naming it."""
     try:
-        if mode == "a":
+        if append:
             with open(path, "a") as f:
                 f.write(text)
         else:
@@ -486,16 +481,14 @@ def move_aside(out, step, files, prefix):
     return finish_moves(out, step)
 
 
-def step_of(line):
-    """A metrics record's step; None for a record cut short (the disk filled up as it was written)."""
-    with contextlib.suppress(ValueError, KeyError, TypeError):
-        return json.loads(line)["step"]
-
-
 def finish_moves(out, step=None):
     """Do the moves journalled in OUT/.NAME.moving/ and drop the records after `step`; returns the
     last directory made. A run killed as it moved steps aside leaves one, which the next run
     finishes before it reads a step: so no step is split in two, nor taken for leftovers."""
+    def step_of(line):  # None for a record cut short (the disk filled up as it was appended)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return json.loads(line)["step"]
+
     metrics, aside = out / "metrics.jsonl", None
     text = metrics.read_text() if metrics.exists() else ""
     records = [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
@@ -520,7 +513,7 @@ def finish_moves(out, step=None):
 
 def data_identity(batches):
     """Per source its path, weight and a digest of its files (a prepared directory's shard hashes,
-    from its manifest, else names and sizes): in each checkpoint, so a resume can tell other data."""
+    else names and sizes): in each checkpoint, so that a resume can tell other data."""
     def digest(s):
         m = data.read_manifest(s.path) if (s.path / data.MANIFEST).is_file() else {"splits": {}}
         shards = {x["file"]: x["sha256"] for x in m["splits"].get("train", {}).get("shards", [])}
@@ -533,9 +526,9 @@ def data_identity(batches):
 
 def resume(cfg, model, optimizer, batches, log):
     """Load what --resume asks for (the data position into `batches`) and return its meta, or None
-    for a fresh start; then the directory is this run's. Steps newer than the one resumed (an
-    abandoned branch, or ones that fail verification; with --overwrite, the old run) and their
-    records are moved aside, once all that cannot continue has been refused."""
+    for a fresh start; then the directory is this run's. Once all that cannot continue is refused,
+    steps newer than the one resumed (an abandoned branch, or ones that fail verification; with
+    --overwrite, the old run) and their records are moved aside."""
     out, device, writes = Path(cfg.out_dir), next(model.parameters()).device, log.path is not None
     if writes:
         finish_moves(out)  # what a run killed while moving steps aside left: done first
@@ -562,9 +555,10 @@ def resume(cfg, model, optimizer, batches, log):
                          f"was changed. Use --resume STEP to pick a step, or --resume never "
                          f"--overwrite to move them aside into {out}/previous-TIME/")
     if step is not None:
-        ours = [(d["weight"], d["files"]) for d in meta.get("data_identity") or []]
-        same = ours in ([], [(d["weight"], d["files"]) for d in data_identity(batches)])
-        if not (same or cfg.new_data):  # (older checkpoints record no identity: not compared)
+        ids = [[(d["weight"], d["files"]) for d in ds]
+               for ds in (meta.get("data_identity") or [], data_identity(batches))]
+        same = ids[0] in ([], ids[1])  # (older checkpoints record no identity: not compared)
+        if not (same or cfg.new_data):
             raise TrainError(f"{out} step {step} was trained on --data "
                              f"{' '.join(meta['config']['data'])}; this run's --data "
                              f"{' '.join(cfg.data)} is other data (files or weights): add "
@@ -689,7 +683,7 @@ def run(cfg, init, tmp, cleanup):
     if world > 1 and not cfg.fsdp:
         model = DDP(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    peak = peak_flops(torch.cuda.get_device_name()) * world if cfg.device == "cuda" else None
+    peak = world * (peak_flops(torch.cuda.get_device_name()) or 0) if cfg.device == "cuda" else 0
     guard = NanGuard(cfg.nan_guard, EXPLODED * max(1.0, max_abs_weight(raw_model)), Path(cfg.out_dir))
     stop, stopping = catch_signals(cleanup), False
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`

@@ -293,6 +293,13 @@ def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
     assert "SYNTHETIC" in text
 
 
+def test_the_header_names_the_mimo_rank(tmp_path):
+    args = ["--data", "synthetic", *BASE, "--vocab-size", 300, "--dry-run", "--out-dir", tmp_path / "run"]
+    model_line = lambda text: next(line for line in text.splitlines() if "parameters (" in line)  # noqa: E731
+    assert "vocab 300, mimo rank 4)" in model_line(run(*args, "--mimo-rank", 4))
+    assert "mimo" not in model_line(run(*args))  # SISO: rank 1 is not named
+
+
 def test_blended_sources(corpus, tmp_path):
     text = run("--data", f"{corpus}:3", "--data", f"{corpus}:1", *BASE, "--max-steps", 2, "--out-dir", tmp_path)
     assert "(75% of the samples)" in text and "(25% of the samples)" in text
