@@ -187,7 +187,8 @@ def build_model(cfg, init, source):
                          f"directory); {source.path} does not")
     if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
         raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} "
-                         f"tokenizer, the data with {source.tokenizer['name']}: the ids differ")
+                         f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
+                         f"mean other things")
     config = ModelConfig(**init[0]) if init else dataclasses.replace(
         PRESETS[cfg.model], vocab_size=cfg.vocab_size, mimo_rank=cfg.mimo_rank or 1)
     if cfg.reset_at_eos:
@@ -320,11 +321,18 @@ class NanGuard:
     explode: float
     out: Path  # where the checkpoints are
     streak: int = 0  # non-finite steps in a row
+    skipped: int = 0  # non-finite steps in all (in the checkpoints' meta)
     restored: list = dataclasses.field(default_factory=list)  # steps restored since a save
 
-    def finite(self, loss, norm):  # counts a step; whether it may update
-        self.streak = 0 if math.isfinite(loss) and math.isfinite(norm) else self.streak + 1
-        return self.streak == 0
+    def finite(self, loss, norm, step, log):  # counts a step; whether it may update
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.streak = 0
+            return True
+        self.streak, self.skipped = self.streak + 1, self.skipped + 1
+        log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
+            f"({self.streak} in a row, {self.skipped} in all)[/yellow]", kind="event",
+            event="nonfinite", step=step)
+        return False
 
     def due(self):  # whether to roll back instead of stepping
         return self.limit > 0 and self.streak >= self.limit
@@ -672,7 +680,7 @@ def run(cfg, init, tmp, cleanup):
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
     log = Log(cfg, rank)
     meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
-    step, skipped = meta["step"], meta["skipped_steps"]
+    step = meta["step"]
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     header(log, cfg, raw_model, batches, val)
@@ -684,7 +692,8 @@ def run(cfg, init, tmp, cleanup):
         model = DDP(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
     peak = world * (peak_flops(torch.cuda.get_device_name()) or 0) if cfg.device == "cuda" else 0
-    guard = NanGuard(cfg.nan_guard, EXPLODED * max(1.0, max_abs_weight(raw_model)), Path(cfg.out_dir))
+    explode = EXPLODED * max(1.0, max_abs_weight(raw_model))
+    guard = NanGuard(cfg.nan_guard, explode, Path(cfg.out_dir), skipped=meta["skipped_steps"])
     stop, stopping = catch_signals(cleanup), False
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
@@ -695,14 +704,9 @@ def run(cfg, init, tmp, cleanup):
             loss, stopping = train_step(model, batches, autocast, world, stop)
             clip = cfg.grad_clip or math.inf  # (--grad-clip 0: the norm is measured, not clipped)
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip).item()
-            if guard.finite(loss, norm):
+            if guard.finite(loss, norm, step, log):
                 optimizer.step()
                 good.append((loss, norm))
-            else:
-                skipped += 1
-                log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
-                    f"({guard.streak} in a row, {skipped} in all)[/yellow]", kind="event",
-                    event="nonfinite", step=step)
             optimizer.zero_grad(set_to_none=True)
             step += 1
         if guard.due():  # back to the newest checkpoint; the data cursor keeps moving
@@ -723,7 +727,7 @@ def run(cfg, init, tmp, cleanup):
                     event="not_saved", step=step)
             elif (rank == 0 or cfg.fsdp) and not cfg.dry_run:  # (FSDP: all gather, rank 0 writes)
                 save_checkpoint(cfg, step, raw_model, optimizer, log, dict(
-                    skipped_steps=skipped, data=batches.state_dict(), wandb_run_id=run_id,
+                    skipped_steps=guard.skipped, data=batches.state_dict(), wandb_run_id=run_id,
                     data_identity=data_identity(batches), tokenizer=batches.sources[0].tokenizer,
                     wall_time=time.time() - t_start))
         t_log += time.time() - t_pause
