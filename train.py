@@ -6,10 +6,9 @@
     torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 1.5b --fsdp
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
 
-Read it top to bottom: the recipes (every preset's defaults), the config (which is the command
-line), the helpers the loop uses, then `run`: the setup, and the loop -- one optimizer step, the NaN
-guard, log, eval and save when due. A checkpoint holds all a resumed run needs to continue bit for
-bit: weights, optimizer, data position, step and RNG states.
+Read it top to bottom: the recipes and the config (the command line), what the loop uses, the run
+directory, then `run`: the setup, and the loop. A checkpoint holds all a resumed run needs to
+continue bit for bit: weights, optimizer, data position, step and RNG states.
 """
 import contextlib
 import dataclasses
@@ -42,7 +41,8 @@ from typer import Option
 import ckpt
 import data
 import official
-from model import PRESETS, Mamba3LM, ModelConfig, bf16_native, peak_flops, pick_device
+from model import (PARAM_BYTES, PRESETS, Mamba3LM, ModelConfig, activation_bytes, bf16_native,
+                   peak_flops, pick_device)
 
 # -----------------------------------------------------------------------------
 # the recipes and the config: every preset's defaults in one table, and the flags
@@ -73,8 +73,8 @@ def preset(key, what):
 
 @dataclasses.dataclass
 class TrainConfig:
-    """A run's settings. The fields are train.py's flags (main takes this signature); resolve()
-    fills the (preset) ones and settles auto. Saved as config.json and in each checkpoint's meta."""
+    """A run's settings: the fields are the flags (main takes this signature); resolve() fills the
+    (preset) ones and settles auto. Saved as config.json and in each checkpoint's meta."""
     data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a "
                     "nanoGPT .bin file or directory, a shard_*.bin directory or a Megatron prefix; "
                     "DIR:WEIGHT (repeated) blends; 'synthetic': random tokens (speed tests only).")]
@@ -116,8 +116,8 @@ class TrainConfig:
     out_dir: Annotated[str, Option(help="Checkpoints, config.json, metrics.jsonl.")] = "out"
     resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start "
                       "fresh; STEP: that step (newer steps are moved aside).")] = "auto"
-    new_data: Annotated[bool, Option(help="Resume on other --data than the checkpoint's (it starts "
-                        "at its beginning).")] = False
+    new_data: Annotated[bool, Option(help="Resume on other --data than the checkpoint's (from its "
+                        "beginning).")] = False
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
     save_every: Annotated[Int, Option(min=1, help=preset("save_every", "And at the end."))] = None
@@ -127,8 +127,7 @@ class TrainConfig:
     log_every: Annotated[int, Option(min=1, help="A log line and metrics record every N.")] = 10
     nan_guard: Annotated[int, Option(min=0, help="After N non-finite steps in a row, roll back to "
                          "the newest checkpoint; 0: never.")] = 5
-    seed: Annotated[int, Option(min=0, max=2**63 - 1, help="Seeds the data order and the "
-                    "initialisation.")] = 0
+    seed: Annotated[int, Option(min=0, max=2**63 - 1, help="Seeds data order and init.")] = 0
     dry_run: Annotated[bool, Option(help="Run 2 steps and an eval; write nothing.")] = False
 
 
@@ -137,8 +136,8 @@ class TrainError(Exception):
 
 
 def resolve(cfg, init=None):
-    """The (preset) flags from the recipe, auto settled, and what cannot work refused before
-    anything runs. With --init-from (init: its ModelConfig fields), the recipe is its shape's."""
+    """The (preset) flags from the recipe (with --init-from, init: its ModelConfig fields, that of
+    its shape), auto settled, and what cannot work refused before anything runs."""
     model = cfg.model or "small"
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
@@ -146,26 +145,23 @@ def resolve(cfg, init=None):
         if (cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"])
                 or cfg.mimo_rank not in (None, init["mimo_rank"])):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model, --vocab-size and --mimo-rank may not change it: leave them "
-                             f"out")
+                             f"--model, --vocab-size and --mimo-rank may not change it: leave them out")
         model = cfg.model or (same + ["small"])[0]
-    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
-              for k, v in RECIPES[model].items()}
+    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         with torch.device("meta"):
             params = Mamba3LM(PRESETS[model]).num_params()
         recipe["max_steps"] = max(1, 20 * params // recipe["total_batch_size"])
-    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**dataclasses.asdict(cfg), **recipe}.items()
-               if isinstance(v, float) and not math.isfinite(v)]:
+    if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**vars(cfg), **recipe}.items()
+               if isinstance(v, float) and not math.isfinite(v)]:  # (Typer takes inf and nan)
         raise TrainError(f"{', '.join(bad)}: expected a finite number")
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
     if not cfg.out_dir.strip():
         raise TrainError("--out-dir is empty; name the run's directory (the default is out)")
     if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
-        raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: a new run from its "
-                         f"weights cannot write there. To continue that run leave out --init-from; "
-                         f"to start from its weights give the new run another --out-dir")
+        raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: to continue that run "
+                         f"leave out --init-from; to start from its weights use another --out-dir")
     if (tokens := recipe["total_batch_size"]) % (seq_len := recipe["seq_len"]):
         raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len "
                          f"{seq_len}; use a multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
@@ -181,7 +177,7 @@ def resolve(cfg, init=None):
 
 
 # -----------------------------------------------------------------------------
-# what the loop uses: the model, the learning rate, a step, evaluation, the NaN guard, the log
+# what the loop uses: the model and its memory, the schedule, a step, eval, the NaN guard, the log
 
 
 def build_model(cfg, init, source):
@@ -193,9 +189,8 @@ def build_model(cfg, init, source):
         raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} "
                          f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
                          f"mean other things")
-    config = (ModelConfig(**init[0]) if init
-              else dataclasses.replace(PRESETS[cfg.model], vocab_size=cfg.vocab_size,
-                                       mimo_rank=cfg.mimo_rank or 1))
+    config = ModelConfig(**init[0]) if init else dataclasses.replace(
+        PRESETS[cfg.model], vocab_size=cfg.vocab_size, mimo_rank=cfg.mimo_rank or 1)
     if cfg.reset_at_eos:
         config = dataclasses.replace(config, reset_token=source.eos_id)
     check_memory(cfg, config)  # before the weights take any
@@ -206,13 +201,6 @@ def build_model(cfg, init, source):
     return model
 
 
-# A step's memory, measured on a CPU (peak RSS, float32; bf16 autocast keeps less; not measured on
-# GPUs): per token, 213-243 bytes per d_model and layer (180m, small; 321 for tiny, where fixed costs
-# weigh more), with --grad-checkpointing 28-32 plus one block's worth, and 11 per vocabulary row
-# (the logits, their softmax and gradients); per parameter 16: weights, gradients, AdamW's moments.
-ACT_BYTES, RECOMPUTED_BYTES, LOGIT_BYTES, PARAM_BYTES = 256, 32, 12, 16
-
-
 def free_memory(device):
     """Bytes free: on the GPU, or the RAM Linux calls available (or a lower cgroup limit's rest)."""
     if device == "cuda":
@@ -221,8 +209,8 @@ def free_memory(device):
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         free, group = int(info["MemAvailable"].split()[0]) * 1024, Path("/sys/fs/cgroup")
         with contextlib.suppress(OSError, ValueError):  # no cgroup v2 limit ("max", or none)
-            free = min(free, int((group / "memory.max").read_text()) - int(
-                (group / "memory.current").read_text()))
+            free = min(free, int((group / "memory.max").read_text())
+                       - int((group / "memory.current").read_text()))
         return free
 
 
@@ -234,27 +222,25 @@ def check_memory(cfg, config):
         params = Mamba3LM(config).num_params()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cfg.device == "cpu" else 1  # share RAM
     world, sequences = int(os.environ.get("WORLD_SIZE", 1)), cfg.total_batch_size // cfg.seq_len
+    fixed = ranks * PARAM_BYTES * params // (world if cfg.fsdp else 1)  # FSDP: 1/world per rank
+    free, b = free_memory(cfg.device), cfg.batch_size
 
-    def need(batch, recompute):  # bytes: the parameters' state, and one micro-batch's activations
-        layers = ACT_BYTES + RECOMPUTED_BYTES * config.n_layer if recompute else ACT_BYTES * config.n_layer
-        per_token = LOGIT_BYTES * config.padded_vocab + config.d_model * layers
-        shards = world if cfg.fsdp else 1  # FSDP keeps 1/world of the state on each rank
-        return ranks * PARAM_BYTES * params // shards, ranks * batch * cfg.seq_len * per_token
+    def act(n, recompute):  # bytes: the activations of n sequences on each rank of this machine
+        return ranks * activation_bytes(config, n * cfg.seq_len, recompute)
 
-    free, (fixed, act) = free_memory(cfg.device), need(cfg.batch_size, cfg.grad_checkpointing)
-    if free is None or fixed + act <= free:
+    if free is None or (need := fixed + act(b, cfg.grad_checkpointing)) <= free:
         return
-    fits = [max([b for b in range(1, cfg.batch_size + 1) if sequences % (b * world) == 0
-                 and sum(need(b, r)) <= free] or [0]) for r in (False, True)]  # (b must divide)
-    b = fits[cfg.grad_checkpointing]
-    ways = [f"--batch-size {b} (the accumulation keeps --total-batch-size)"] * (0 < b < cfg.batch_size)
-    ways += [f"--grad-checkpointing" + f" with --batch-size {fits[True]}" * (
-        fits[True] < cfg.batch_size)] * (fits[True] > 0 and not cfg.grad_checkpointing)
-    what = (f"a step needs about {(fixed + act) / 1e9:.1f} GB and the {cfg.device} has {free / 1e9:.1f}"
-            f" GB free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters with their gradients "
-            f"and AdamW state, {act / 1e9:.1f} GB for the activations of {cfg.batch_size} sequences "
-            f"of {cfg.seq_len} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1) + ". Use "
-            + " or ".join(ways + ["a smaller --model"]))
+    n, r = (max([n for n in range(1, b + 1) if sequences % (n * world) == 0  # (n must divide)
+                 and fixed + act(n, recompute) <= free], default=0)
+            for recompute in (cfg.grad_checkpointing, True))
+    ways = [f"--batch-size {n} (the accumulation keeps --total-batch-size)"] * (0 < n < b)
+    ways += [f"--grad-checkpointing" + f" with --batch-size {r}" * (r < b)] * (
+        r > 0 and not cfg.grad_checkpointing)
+    what = (f"a step needs about {need / 1e9:.1f} GB and the {cfg.device} has {free / 1e9:.1f} GB "
+            f"free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters with their gradients "
+            f"and AdamW state, {(need - fixed) / 1e9:.1f} GB for the activations of {b} sequences "
+            f"of {cfg.seq_len} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1)
+            + ". Use " + " or ".join(ways + ["a smaller --model"]))
     if cfg.device == "cpu" or fixed > free:
         raise TrainError(f"{what} (an estimate from measurements of float32 steps on a CPU)")
     warnings.warn(f"{what} if it runs out (the activations are estimated from a CPU's)")
@@ -281,7 +267,7 @@ def micro_step(model, x, y, autocast):
 
 def train_step(model, batches, autocast, world, signals):
     """Accumulate one optimizer step's gradient over its micro-batches. Returns (the mean loss,
-    whether any rank was signalled to stop): the same on every rank."""
+    whether any rank was signalled to stop), the same on every rank."""
     stats = torch.zeros(2, device=next(model.parameters()).device)  # summed loss; signals seen
     for m in range(batches.accum_steps):
         x, y = next(batches)
@@ -336,21 +322,27 @@ class NanGuard:
     explode: float
     out: Path  # where the checkpoints are
     streak: int = 0  # non-finite steps in a row
+    skipped: int = 0  # non-finite steps in all (in the checkpoints' meta)
     restored: list = dataclasses.field(default_factory=list)  # steps restored since a save
 
-    def finite(self, loss, norm):  # counts a step; whether it may update
-        self.streak = 0 if math.isfinite(loss) and math.isfinite(norm) else self.streak + 1
-        return self.streak == 0
+    def finite(self, loss, norm, step, log):  # counts a step; whether it may update
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.streak = 0
+            return True
+        self.streak, self.skipped = self.streak + 1, self.skipped + 1
+        log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
+            f"({self.streak} in a row, {self.skipped} in all)[/yellow]", kind="event",
+            event="nonfinite", step=step)
+        return False
 
     def due(self):  # whether to roll back instead of stepping
         return self.limit > 0 and self.streak >= self.limit
 
-    def poison(self, model):
-        """Why `model` must not be saved now, or None. Weights that blew up make a rollback due."""
+    def poison(self, model):  # why `model` must not be saved now, or None
         if self.streak:
             return f"{self.streak} non-finite steps in a row"
         if (top := max_abs_weight(model)) > self.explode:
-            self.streak = max(1, self.limit)  # (with --nan-guard 0 the run ends refusing to save)
+            self.streak = max(1, self.limit)  # a rollback now (--nan-guard 0: the run ends unsaved)
             return f"the weights have exploded (max |w| {top:.3g})"
         self.restored = []  # a clean save point: rollbacks count afresh
         return None
@@ -371,8 +363,18 @@ class NanGuard:
                              f"or check the data around these steps")
 
 
-# How a train or eval record's values read on the console, in the record's order (a value not
-# listed is in the record only). So a new metric is one more value where `run` logs.
+def train_metrics(cfg, model, good, steps, seconds, peak):
+    """A log line's values over its `steps`: the mean loss and gradient norm of the good ones (NaN
+    after skipped steps only), the throughput and, given the FLOP/s `peak` of all GPUs, the MFU."""
+    loss, norm = np.mean(good, axis=0) if good else (math.nan, math.nan)
+    tok_per_s = steps * cfg.total_batch_size / seconds
+    flops = model.flops_per_token(cfg.seq_len) * tok_per_s
+    return dict(loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm, tok_per_s=tok_per_s,
+                ms_per_step=1000 * seconds / steps, mfu=flops / peak if peak else None)
+
+
+# How a train or eval record's values read on the console, in this order (a value not listed is in
+# the record only): a new metric is one more value where `run` logs, and a line here to show it.
 SHOW = dict(loss="loss {:.4f}", ppl="ppl {:.2f}", lr="lr {:.2e}", grad_norm="grad norm {:.3f}",
             tok_per_s="{:,.0f} tok/s", ms_per_step="{:.0f} ms/step", mfu="MFU {:.1%}",
             val_loss="val loss {:.4f}", val_ppl="ppl {:.2f}")
@@ -395,16 +397,16 @@ class Log:
         if line is not None:
             self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
         if record and self.path is not None:
-            write(self.path, json.dumps(record) + "\n", "a")
-        with contextlib.suppress(Exception):  # a logging service must never stop training
-            if record and self.wandb is not None:
-                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-                self.wandb.log(numbers, record["step"])
+            write(self.path, json.dumps(record) + "\n", append=True)
+        if record and self.wandb is not None:
+            with contextlib.suppress(Exception):  # a logging service must never stop training
+                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                               record["step"])
 
     def metrics(self, kind, step, **values):
         """A train or eval record, with the tokens seen (plot.py's x axis), and its line. NaN (a
         window of skipped steps) prints as nan and is recorded as null: NaN is not JSON."""
-        shown = [SHOW[k].format(v) for k, v in values.items() if k in SHOW and v is not None]
+        shown = [f.format(values[k]) for k, f in SHOW.items() if values.get(k) is not None]
         values = {k: None if v != v else v for k, v in values.items()}
         self(f"step {step}: {', '.join(shown)}", kind=kind, step=step,
              tokens=step * self.tokens_per_step, **values)
@@ -427,12 +429,12 @@ def header(log, cfg, model, batches, val):
     c, world = model.config, batches.cfg.world_size
     tokens = sum(s.num_tokens for s in batches.sources)
     planned, blend = cfg.total_batch_size * cfg.max_steps, len(cfg.data) > 1
-    sources = [f"{s.path}" + (f" ({float(w):.0%} of the samples)" if blend else "")
+    sources = [f"{s.path}" + f" ({float(w):.0%} of the samples)" * blend
                for s, w in zip(batches.sources, batches.weights)]
     lines = [
         f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model "
-        f"{c.d_model}, vocab {c.vocab_size}"
-        + (f", reset after token {c.reset_token})" if c.reset_token is not None else ")"),
+        f"{c.d_model}, vocab {c.vocab_size}" + f", mimo rank {c.mimo_rank}" * (c.mimo_rank > 1)
+        + f", reset after token {c.reset_token}" * (c.reset_token is not None) + ")",
         f"device     {cfg.device}"
         + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
         + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {world}"
@@ -444,7 +446,7 @@ def header(log, cfg, model, batches, val):
         f"{planned:,} planned = {planned / tokens:.2f} epochs",
         f"eval       every {cfg.eval_every} steps on {val.path} (val)" if val else
         "eval       [bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]",
-        f"out        {cfg.out_dir}" + (" (dry run: nothing written)" if cfg.dry_run else "")
+        f"out        {cfg.out_dir}" + " (dry run: nothing written)" * cfg.dry_run
         + f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
         f"optimizer  AdamW for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"({cfg.schedule}, {cfg.warmup_steps} warmup), weight decay {cfg.weight_decay:g}, grad "
@@ -457,10 +459,10 @@ def header(log, cfg, model, batches, val):
 # the run directory: files that survive a full disk, branches moved aside, resume
 
 
-def write(path, text, mode="w"):
+def write(path, text, append=False):
     """Write `path` whole (atomically) or append to it; a full disk is a TrainError naming it."""
     try:
-        if mode == "a":
+        if append:
             with open(path, "a") as f:
                 f.write(text)
         else:
@@ -496,13 +498,10 @@ def finish_moves(out, step=None):
         with contextlib.suppress(ValueError, KeyError, TypeError):
             return json.loads(line)["step"]
 
-    def records():
-        text = metrics.read_text() if metrics.exists() else ""
-        return text, [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
-
     metrics, aside = out / "metrics.jsonl", None
-    for stage in sorted(p for p in out.glob(".*.moving") if p.name.startswith((".abandoned-",
-                                                                               ".previous-"))):
+    text = metrics.read_text() if metrics.exists() else ""
+    records = [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
+    for stage in sorted(p for x in ("abandoned", "previous") for p in out.glob(f".{x}-*.moving")):
         if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
             (stage / ".journal.json.tmp").unlink(missing_ok=True)
             stage.rmdir()
@@ -510,13 +509,12 @@ def finish_moves(out, step=None):
         job = json.loads((stage / "journal.json").read_text())
         for name in [n for n in job["files"] if (out / n).exists()]:
             os.replace(out / name, stage / name)
-        write(stage / metrics.name, "".join(line for line, s in records()[1] if s > job["step"]))
+        write(stage / metrics.name, "".join(line for line, s in records if s > job["step"]))
         os.replace(stage, aside := out / stage.name[1:-len(".moving")])  # the move, whole
         data.fsync(out)
         (aside / "journal.json").unlink()
         step = min(job["step"], math.inf if step is None else step)
-    text, lines = records()
-    keep = "".join(line for line, s in lines if step is None or s <= step)
+    keep = "".join(line for line, s in records if step is None or s <= step)
     if keep != text:  # records dropped, or a last line without its newline (the next would join it)
         write(metrics, keep)
     return aside
@@ -524,7 +522,7 @@ def finish_moves(out, step=None):
 
 def data_identity(batches):
     """Per source its path, weight and a digest of its files (a prepared directory's shard hashes,
-    from its manifest, else names and sizes): in each checkpoint, so a resume can tell other data."""
+    else names and sizes): in each checkpoint, so that a resume can tell other data."""
     def digest(s):
         m = data.read_manifest(s.path) if (s.path / data.MANIFEST).is_file() else {"splits": {}}
         shards = {x["file"]: x["sha256"] for x in m["splits"].get("train", {}).get("shards", [])}
@@ -537,8 +535,9 @@ def data_identity(batches):
 
 def resume(cfg, model, optimizer, batches, log):
     """Load what --resume asks for (the data position into `batches`) and return its meta, or None
-    for a fresh start. Steps newer than the one resumed (an abandoned branch, or ones that fail
-    verification; with --overwrite, the old run) and their records are moved aside."""
+    for a fresh start; then the directory is this run's. Once all that cannot continue is refused,
+    steps newer than the one resumed (an abandoned branch, or ones that fail verification; with
+    --overwrite, the old run) and their records are moved aside."""
     out, writes = Path(cfg.out_dir), log.path is not None
     if writes:
         finish_moves(out)  # what a run killed while moving steps aside left: done first
@@ -555,23 +554,24 @@ def resume(cfg, model, optimizer, batches, log):
             step = int(cfg.resume)
             meta = ckpt.load(out, step, model, optimizer, restore_rng=True)
     except ckpt.ModelMismatch as e:
-        raise TrainError(f"{e.what}: resume with the --model, --vocab-size "
-                         f"and --reset-at-eos it was trained with ({out}/config.json), or start "
-                         f"a new run with --resume never or another --out-dir") from None
+        raise TrainError(f"{e.what}: resume with the --model, --vocab-size and --reset-at-eos it "
+                         f"was trained with ({out}/config.json), or start a new run with --resume "
+                         f"never or another --out-dir") from None
     if step is None and files and cfg.resume == "auto":
         names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
-        raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); "
-                         f"nothing was changed. Use --resume STEP to pick a step, or --resume "
-                         f"never --overwrite to move them aside into {out}/previous-TIME/")
-    if step is not None:  # what cannot continue is refused before newer steps are moved aside
-        same = [(d["weight"], d["files"]) for d in meta.get("data_identity") or []] in (
-            [], [(d["weight"], d["files"]) for d in data_identity(batches)])
-        if not (same or cfg.new_data):  # (older checkpoints record no identity: not compared)
-            trained = " ".join(meta["config"]["data"])
-            raise TrainError(f"{out} step {step} was trained on --data {trained}; this run's "
-                             f"--data {' '.join(cfg.data)} is other data "
-                             f"(files or weights): add --new-data to continue the run on it, or "
-                             f"start a new run with --resume never or another --out-dir")
+        raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); nothing "
+                         f"was changed. Use --resume STEP to pick a step, or --resume never "
+                         f"--overwrite to move them aside into {out}/previous-TIME/")
+    if step is not None:
+        ids = [[(d["weight"], d["files"]) for d in ds]
+               for ds in (meta.get("data_identity") or [], data_identity(batches))]
+        same = ids[0] in ([], ids[1])  # (older checkpoints record no identity: not compared)
+        if not (same or cfg.new_data):
+            raise TrainError(f"{out} step {step} was trained on --data "
+                             f"{' '.join(meta['config']['data'])}; this run's --data "
+                             f"{' '.join(cfg.data)} is other data (files or weights): add "
+                             f"--new-data to continue the run on it, or start a new run with "
+                             f"--resume never or another --out-dir")
         if meta["data"] is not None and same:  # (new data starts at its beginning)
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
@@ -595,11 +595,15 @@ def resume(cfg, model, optimizer, batches, log):
     return meta
 
 
-def save_checkpoint(cfg, step, model, optimizer, state):
-    """Write step `step` (with retention). (Its own function: tests inject faults around it.)"""
-    meta = dict(state, tag="final" if step == cfg.max_steps else "periodic",
-                config=dataclasses.asdict(cfg))
+def save_checkpoint(cfg, step, model, optimizer, log, state):
+    """Write step `step` (with retention) and say so. (Its own function: tests inject faults.)"""
+    t0 = time.time()
+    meta = dict(state, tokens_seen=step * cfg.total_batch_size, config=dataclasses.asdict(cfg),
+                optimizer_steps=step - state["skipped_steps"],
+                tag="final" if step == cfg.max_steps else "periodic")
     ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=cfg.keep_last or None)
+    log(f"step {step}: saved checkpoint to {cfg.out_dir} ({time.time() - t0:.1f}s)",
+        kind="event", event="checkpoint", step=step)
 
 
 # -----------------------------------------------------------------------------
@@ -646,11 +650,10 @@ def setup(cfg, init, tmp, cleanup):
 
 
 def shard(model, cfg):
-    """FSDP2: each block, then the root (embedding, tied head, final norm) sharded over the ranks,
-    so each holds 1/world of the weights, gradients and AdamW moments, and gathers a block's
-    weights only while it computes. Each block is compiled before it is sharded, as torchtitan
-    (PyTorch's FSDP2 trainer) orders them. On CUDA in bf16 the gathered weights are bf16; the master
-    weights and the gradient reduction stay float32."""
+    """FSDP2: each block, then the root (embedding, tied head, final norm), sharded over the ranks:
+    each holds 1/world of the weights, gradients and AdamW moments, and gathers a block's weights
+    only while it computes. A block is compiled before it is sharded (torchtitan's order). On CUDA
+    in bf16 the gathered weights are bf16; master weights and gradient reduction stay float32."""
     bf16 = cfg.device == "cuda" and cfg.dtype == "bf16"
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
@@ -676,10 +679,9 @@ def run(cfg, init, tmp, cleanup):
     """Train: set up, then loop. init is --init-from's (ModelConfig fields, state dict, tokenizer
     spec) or None; cleanup (an ExitStack) releases what the setup takes, however the run ends."""
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
-    out, writes, source = Path(cfg.out_dir), rank == 0 and not cfg.dry_run, batches.sources[0]
     log = Log(cfg, rank)
     meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
-    step, skipped = meta["step"], meta["skipped_steps"]
+    step = meta["step"]
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
     header(log, cfg, raw_model, batches, val)
@@ -690,68 +692,50 @@ def run(cfg, init, tmp, cleanup):
     if world > 1 and not cfg.fsdp:
         model = DDP(model, [local] if cfg.device == "cuda" else None)
     autocast = torch.autocast(cfg.device, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-    peak = peak_flops(torch.cuda.get_device_name()) if cfg.device == "cuda" else None  # for MFU
-    guard = NanGuard(cfg.nan_guard, EXPLODED * max(1.0, max_abs_weight(raw_model)), out)
+    peak = world * (peak_flops(torch.cuda.get_device_name()) or 0) if cfg.device == "cuda" else 0
+    explode = EXPLODED * max(1.0, max_abs_weight(raw_model))
+    guard = NanGuard(cfg.nan_guard, explode, Path(cfg.out_dir), skipped=meta["skipped_steps"])
     stop, stopping = catch_signals(cleanup), False
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
     while step < cfg.max_steps and not stopping:
-        # --- step: accumulate, clip, update unless non-finite (none when a rollback is due)
-        if not guard.due():
+        if not guard.due():  # one optimizer step: accumulate, clip, update unless non-finite
             for group in optimizer.param_groups:  # the schedule is a function of the step alone,
                 group["lr"] = lr_at(step, cfg)  # so a resumed run follows it without its own state
             loss, stopping = train_step(model, batches, autocast, world, stop)
             clip = cfg.grad_clip or math.inf  # (--grad-clip 0: the norm is measured, not clipped)
             norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip).item()
-            if guard.finite(loss, norm):
+            if guard.finite(loss, norm, step, log):
                 optimizer.step()
                 good.append((loss, norm))
-            else:
-                skipped += 1
-                log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
-                    f"({guard.streak} in a row, {skipped} in all)[/yellow]", kind="event",
-                    event="nonfinite", step=step)
             optimizer.zero_grad(set_to_none=True)
             step += 1
-        # --- NaN guard: back to the newest checkpoint; the data cursor keeps moving
-        if guard.due():
+        if guard.due():  # back to the newest checkpoint; the data cursor keeps moving
             guard.roll_back(raw_model, optimizer, step, log)
         last_step = step == cfg.max_steps  # the final log, eval and save happen in the loop
-        # --- log: the mean loss and norm of the good steps since the last line
         log.progress.update(bar, completed=step)
         if step > logged and (step % cfg.log_every == 0 or last_step):
-            dt, n = time.time() - t_log, step - logged
-            loss, norm = np.mean(good, axis=0) if good else (math.nan, math.nan)
-            tok_per_s = n * cfg.total_batch_size / dt
-            flops = raw_model.flops_per_token(cfg.seq_len) * tok_per_s
-            # (lr: the last step's; loss and norm: NaN after a window of skipped steps only)
-            log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)),
-                        lr=lr_at(step - 1, cfg), grad_norm=norm, tok_per_s=tok_per_s,
-                        ms_per_step=1000 * dt / n, mfu=flops / (peak * world) if peak else None)
+            log.metrics("train", step, lr=lr_at(step - 1, cfg), **train_metrics(
+                cfg, raw_model, good, step - logged, time.time() - t_log, peak))
             good, logged, t_log = [], step, time.time()
-        # --- eval: when due and at the end (eval and save are kept out of the tok/s figures)
-        t_pause = time.time()
+        t_pause = time.time()  # eval and save are kept out of the tok/s figures
         if val is not None and (last_step or step % cfg.eval_every == 0):
             val_loss = evaluate(model, val, cfg, autocast, rank, world)
             log.metrics("eval", step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
-        # --- save: when due, at the end, and when stopped
         if last_step or stopping or step % cfg.save_every == 0:
             if why := guard.poison(raw_model):  # poison is never saved
                 log(f"[yellow]step {step}: not saved: {why}[/yellow]", kind="event",
                     event="not_saved", step=step)
-            elif writes or cfg.fsdp and not cfg.dry_run:  # (FSDP: all ranks gather, rank 0 writes)
-                t0 = time.time()
-                save_checkpoint(cfg, step, raw_model, optimizer, dict(
-                    tokens_seen=step * cfg.total_batch_size, skipped_steps=skipped,
-                    optimizer_steps=step - skipped, data=batches.state_dict(), wandb_run_id=run_id,
-                    data_identity=data_identity(batches),
-                    tokenizer=source.tokenizer, wall_time=time.time() - t_start))
-                log(f"step {step}: saved checkpoint to {out} ({time.time() - t0:.1f}s)",
-                    kind="event", event="checkpoint", step=step)
+            elif (rank == 0 or cfg.fsdp) and not cfg.dry_run:  # (FSDP: all gather, rank 0 writes)
+                save_checkpoint(cfg, step, raw_model, optimizer, log, dict(
+                    skipped_steps=guard.skipped, data=batches.state_dict(), wandb_run_id=run_id,
+                    data_identity=data_identity(batches), tokenizer=batches.sources[0].tokenizer,
+                    wall_time=time.time() - t_start))
         t_log += time.time() - t_pause
     if guard.streak:
         raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not "
-                         f"saved; resume from the newest checkpoint in {out} with a lower --lr")
+                         f"saved; resume from the newest checkpoint in {cfg.out_dir} with a lower "
+                         f"--lr")
     if stopping:
         log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume "
             f"with --resume auto")

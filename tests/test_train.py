@@ -204,13 +204,15 @@ def test_the_nan_guard_rules(tmp_path):
     with torch.no_grad():
         model.weight.fill_(1.0)
     guard = train.NanGuard(limit=2, explode=10.0, out=tmp_path)
-    assert guard.finite(1.0, 1.0) and not guard.due() and guard.poison(model) is None
-    assert not guard.finite(math.nan, 1.0) and not guard.due()  # one bad step: skipped, no rollback
+    assert guard.finite(1.0, 1.0, 1, log) and not guard.due() and guard.poison(model) is None
+    assert not guard.finite(math.nan, 1.0, 2, log) and not guard.due()  # one bad step: skipped, no rollback
     assert guard.poison(model) == "1 non-finite steps in a row"  # and not saved
-    assert guard.finite(1.0, 1.0) and guard.streak == 0  # a good step ends the streak
-    assert not guard.finite(1.0, math.inf) and not guard.finite(math.nan, 1.0) and guard.due()
+    assert guard.finite(1.0, 1.0, 3, log) and guard.streak == 0  # a good step ends the streak
+    assert not guard.finite(1.0, math.inf, 4, log) and not guard.finite(math.nan, 1.0, 5, log) and guard.due()
+    assert guard.skipped == 3 and events == [{"kind": "event", "event": "nonfinite", "step": s} for s in (2, 4, 5)]
     with pytest.raises(train.TrainError, match="2 bad steps in a row at step 7 and no checkpoint"):
         guard.roll_back(model, None, 7, log)
+    events.clear()
 
     ckpt.save(tmp_path, 4, model, None, {})
     with torch.no_grad():
@@ -291,6 +293,13 @@ def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
     assert "dtype bf16" in text and "step 2:" in text and not out.exists()
     text = run("--data", "synthetic", *BASE, "--vocab-size", 300, "--max-steps", 2, "--out-dir", out)
     assert "SYNTHETIC" in text
+
+
+def test_the_header_names_the_mimo_rank(tmp_path):
+    args = ["--data", "synthetic", *BASE, "--vocab-size", 300, "--dry-run", "--out-dir", tmp_path / "run"]
+    model_line = lambda text: next(line for line in text.splitlines() if "parameters (" in line)  # noqa: E731
+    assert "vocab 300, mimo rank 4)" in model_line(run(*args, "--mimo-rank", 4))
+    assert "mimo" not in model_line(run(*args))  # SISO: rank 1 is not named
 
 
 def test_blended_sources(corpus, tmp_path):
