@@ -361,7 +361,7 @@ def byte_tokenizer_json() -> str:
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([data.EOS_TEXT])
+    tok.add_special_tokens([data.EOS_TOKENS[0]])  # "<|endoftext|>", id 256 as ByteTokenizer has it
     return tok.to_str()
 
 
@@ -370,7 +370,7 @@ def _tokenizer_files(spec, run_dir):
     # (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer
     name = (spec or {}).get("name")
     if name == "byte":
-        tokenizer, eos = byte_tokenizer_json().encode(), data.EOS_TEXT
+        tokenizer, eos = byte_tokenizer_json().encode(), data.EOS_TOKENS[0]
     elif name == "file":
         path = Path(run_dir) / spec["file"]
         if not path.is_file() or spec.get("sha256") and data.sha256(path) != spec["sha256"]:
