@@ -189,13 +189,10 @@ class ChunkedScan(torch.autograd.Function):
         dcs_i = sum_{j<i} R_ij w_j - w_i sum_{l>i} R_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
                 + [i = last] (sum_j du_j u_j + a <G, Sin>)
 
-    cs_i enters W_ij (j < i) with + and W_li (l > i) with -, e_i itself, u_i = w_i exp(cs_last -
-    cs_i) with -, and cs_last every u_j and a. A decay that crosses a reset is a constant 0, so the
-    same masks cover the gradients. cs is a running sum of log_a: dlog_a is the reverse running sum
-    of dcs; w_s = gamma_s + beta_{s+1}: dgamma_s gets dw_s, dbeta_{s+1} gets dw_s too. With R > 1
-    the same formulas hold per token once the row sums are taken: R_ii is the sum over the token's
-    own (R x R) block, and the row terms of cs, w and u add up over the token's rows (within the
-    block, the R_ij w_j and w_i R_li terms of dcs cancel)."""
+    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, u_i with -; cs_last every u_j and
+    a.) Masks cover the resets. dlog_a is the reverse running sum of dcs; dgamma_s and dbeta_{s+1}
+    get dw_s. With R > 1 the formulas hold per token once its rows are summed: R_ii is the sum over
+    its own (R x R) block, in which the R_ij w_j and w_i R_li terms of dcs cancel."""
 
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
@@ -421,17 +418,15 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # -----------------------------------------------------------------------------
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
 #
-# One program per (b, h) walks the chunks in order and keeps the (P x N) state on chip in float32,
-# so states cross chunks in registers, not through HBM; it saves the state entering each chunk (in
-# the dot operand dtype) for the backward, which walks the chunks in reverse with the state's
-# gradient G on chip. zxbcdt is read in place through its strides, the tokens past L in the last
-# chunk masked. Tiles are padded to powers of 2, at least 16 for tl.dot: PP >= P, and N is held as
-# its even and odd dims, two tiles of NH >= N / 2 (see _qk). Two dtypes, both tl.constexpr: DT, the
-# one operand dtype of every tl.dot (zxbcdt's: bf16, fp16 or fp32), and ACC, the dtype of cumsums,
-# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests), and
-# PREC, the products' input precision (tf32 for float32 operands: see _mixer_tiles). The model's
-# sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is compiled once
-# per model shape.
+# One program per (b, h) walks the chunks with the (P x N) state on chip in float32 and saves the
+# state entering each chunk (in the dot operand dtype) for the backward, which walks them in
+# reverse with the state's gradient G on chip; zxbcdt is read in place through its strides. A
+# chunk is C rows, row i rank i % R of token i // R (R = 1: SISO, a row a token), so a MIMO chunk
+# of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted once,
+# on its first row. Tiles are powers of 2, at least 16 for tl.dot: PP >= P, and N as its even and
+# odd dims, two tiles of NH >= N / 2 (see _qk). tl.constexpr: DT, the operand dtype of every tl.dot
+# (zxbcdt's), ACC, that of cumsums, states and accumulators (float32; float64 for float64 inputs),
+# PREC, the products' input precision (tf32 for float32: _mixer_tiles), and the model's sizes.
 
 try:
     import triton
@@ -475,11 +470,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a product's operands in its one dtype DT. PREC is the product's input precision: "ieee",
-        # or "tf32" for float32 operands (tensor cores, reading 10 of float32's 23 mantissa bits).
-        # The interpreter multiplies in numpy, so what a GPU does is done here: bf16 operands go to
-        # float32 (numpy would multiply bf16 bit patterns), tf32 operands lose their last 13
-        # mantissa bits (what the hardware ignores: cut, the larger error, not rounded)
+        # a product's operands in DT; PREC "ieee", or "tf32" for float32 (tensor cores read 10 of
+        # its 23 mantissa bits). The interpreter multiplies in numpy, so it is made to do what a GPU
+        # does: bf16 goes to float32 (numpy would multiply bit patterns), tf32 loses 13 bits (cut)
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -497,10 +490,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-        # acc + a b, as _dot. An explicit accumulator where it is not itself a product: a product's
-        # result added to a zero-accumulator dot becomes that dot's accumulator, and a product that
-        # feeds another product gets the costlier layout on GPUs (see _scaled_weights). out_dtype
-        # because Triton 3.6 would take float32 for granted.
+        # acc + a b, as _dot, for an acc that is not itself a product (one that feeds another
+        # product gets the costlier layout on GPUs). out_dtype: Triton 3.6 would assume float32
         a, b = _operands(a, b, DT, PREC)
         return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
@@ -715,6 +706,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.load(ptrs, mask=(p < P)[None, :], other=0.0).to(ACC)
 
     @triton.jit
+    def _token_store(ptr, s_l, c, L, p, v, P: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     PP: tl.constexpr):
+        # v (C / R, PP), one row per token of chunk c, to ptr + t s_l + p
+        t = c * (C // R) + tl.arange(0, C // R)
+        tl.store(ptr + t[:, None] * s_l + p[None, :], v.to(ptr.dtype.element_ty),
+                 mask=_in_bounds(t < L, p, P, PP))
+
+    @triton.jit
     def _pairs_store(ptr, ve, vo, mask):
         # even and odd dims back to their interleaved places (ptr: the even ones')
         tl.store(ptr, ve.to(ptr.dtype.element_ty), mask=mask)
@@ -767,16 +766,13 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region forward, one program per (b, h); grid (B*H,). A chunk is C rows, rank
-        i % R of token i // R (SISO: R = 1, a row a token). Reads head h's columns of zxbcdt (B, L,
-        2HP + 2RGN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's R ranks of B and C; the angles),
-        the parameters (mimo_x/z/o (H, R, P) for R > 1) and reset (B, L) if any; computes dt, A, the
-        trapezoid, the phases, q and k in registers, runs the scan with the (P, N) state on chip,
-        adds D x, gates with silu(z), sums the ranks and writes out (B, L, H*P). Saves only what the
-        backward cannot recompute: the state entering each chunk, in DT (the descriptor `states`
-        over (B*H*nc*PP, 2NH): even state dims in the first NH columns, odd ones in the next), and
-        the phase entering each chunk (B*H, nc, S). q, k and the state are held as their even and
-        odd dims, two tiles each (see _qk): a product over N is the sum of two over N/2."""
+        """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of
+        zxbcdt (B, L, 2HP + 2RGN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's R ranks of B and
+        C; the angles), the parameters (mimo_x/z/o (H, R, P) if R > 1) and reset (B, L) if any;
+        computes the scalars, phases, q and k in registers, runs the scan, adds D x, gates, sums the
+        ranks and writes out (B, L, H*P). Saves what the backward cannot recompute: the state
+        entering each chunk in DT (descriptor `states` over (B*H*nc*PP, 2NH): even state dims, then
+        odd ones) and the phase entering it (B*H, nc, S)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -826,12 +822,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             if R > 1:
                 Z = Z * _lift(mz_ptr, h, rank, p, P, R, ACC)
             out = (Y + D * X.to(ACC)) * Z * tl.sigmoid(Z)
-            if R > 1:  # sum_r mimo_o[h, r] y_r: a token from its R rows
+            if R == 1:
+                tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=xz_mask)
+            else:  # sum_r mimo_o[h, r] y_r: a token from its R rows
                 out = _by_token(out * _lift(mo_ptr, h, rank, p, P, R, ACC), C, R, PP)
-                t = c * (C // R) + tl.arange(0, C // R)
-                xz_mask = _in_bounds(t < L, p, P, PP)
-            tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=xz_mask)
+                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p, out, P, C, R, PP)
 
     @triton.jit
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -842,21 +838,18 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region backward, one program per (b, h) walking the chunks in reverse with G
-        (the gradient of the state leaving the chunk, as even and odd dims) and the phase carry's
-        gradient on chip. Reads what _mixer_fwd read, the saved states and phase carries, and dout
-        (B, L, H*P); recomputes the chunk from zxbcdt. Writes head h's gradient columns of dzxbcdt
-        (z, x, dd_dt, dd_A, trap) and, for what the heads share (B, C within a group, the angles),
-        this head's share to part (B, L, H, 2RN + S), summed by _sum_heads; the parameters'
-        gradients as per-(b, h, chunk) sums to dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc,
-        3, R, P) (R > 1), summed in torch: deterministic.
+        (the gradient of the state leaving the chunk) and the phase carry's gradient on chip.
+        Recomputes the chunk from zxbcdt, the saved states and phases; reads dout (B, L, H*P).
+        Writes head h's columns of dzxbcdt (z, x, dd_dt, dd_A, trap), its share of what heads share
+        (B, C, the angles) to part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) sums of
+        the parameters' gradients to dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
 
-        The scan's gradients are ChunkedScan's, taken through the forward's scaled form (Kw = w k,
-        M, f in place of u): Rw = dM o M o (Q Kw^T) between tokens and df = x . (Kw G^T) carry the
-        w factors already, so dw_j = (sum_l Rw_lj + df_j f_j) / w_j, dgamma = the token's own block
-        of dM o (Q K^T), dK = w dKw; k's phase gradient is that of the turned Kw and dKw (w
-        cancels). The per-token scalars' gradients sum over their R rows (running sums over the
-        rows, read at each token's first). Token s's beta enters w at token s - 1, in chunk c - 1
-        for a chunk's first token, which is so written one iteration later (pend_*)."""
+        ChunkedScan's gradients in the forward's scaled form (Kw = w k, M, f for u): Rw = dM o M o
+        (Q Kw^T) between tokens and df = x . (Kw G^T) carry the w factors, so dw_j = (sum_l Rw_lj +
+        df_j f_j) / w_j, dgamma = the own block of dM o (Q K^T), dK = w dKw; k's phase gradient is
+        that of the turned Kw and dKw. A token's scalar gradients sum its R rows (running sums over
+        rows, read at its first). Token s's beta enters w at token s - 1, in chunk c - 1 for a
+        chunk's first token, which is so written one iteration later (pend_*)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -896,8 +889,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             xz = rows[:, None] + h * P + p[None, :]
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
             if R > 1:
-                x_in, mx = X.to(ACC), _lift(mx_ptr, h, rank, p, P, R, ACC)
-                X = (x_in * mx).to(DT)
+                X = (X.to(ACC) * _lift(mx_ptr, h, rank, p, P, R, ACC)).to(DT)
             row = ((bh * nc + c) * PP).to(tl.int32)
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
@@ -921,9 +913,6 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(gm + 2 * R * P, _by_rank(dout * Y * Z * tl.sigmoid(Z), C, R, PP),
                          mask=(p < P)[None, :])
                 dout = dout * mo
-                tt = c * (C // R) + tl.arange(0, C // R)  # the chunk's tokens
-                xz_t = (dzx_ptr + b * sg_b + tt * sg_l)[:, None] + h * P + p[None, :]
-                mask_t = _in_bounds(tt < L, p, P, PP)
             sz = tl.sigmoid(Z)
             dY = dout * Z * sz
             dZ = dout * Y * sz * (1.0 + Z * (1.0 - sz))
@@ -931,8 +920,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             else:
                 tl.store(gm + R * P, _by_rank(dZ * z_in, C, R, PP), mask=(p < P)[None, :])
-                tl.store(xz_t, _by_token(dZ * mz, C, R, PP).to(dzx_ptr.dtype.element_ty),
-                         mask=mask_t)
+                dz = _by_token(dZ * mz, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dz, P, C, R, PP)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
             # this chunk's row of dparam: [dB_bias | dC_bias (R*N each) | dB_norm_weight |
             # dC_norm_weight (N each) | d dt_bias | dD]
@@ -946,10 +935,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
             if R == 1:
                 tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
-            else:
-                tl.store(gm, _by_rank(dX * x_in, C, R, PP), mask=(p < P)[None, :])
-                tl.store(xz_t + H * P, _by_token(dX * mx, C, R, PP).to(dzx_ptr.dtype.element_ty),
-                         mask=mask_t)
+            else:  # x and mimo_x read again: cheaper than held through the chunk
+                x_in = tl.load(rows[:, None] + H * P + h * P + p[None, :], mask=xz_mask, other=0.0)
+                mx = _lift(mx_ptr, h, rank, p, P, R, ACC)
+                tl.store(gm, _by_rank(dX * x_in.to(ACC), C, R, PP), mask=(p < P)[None, :])
+                _token_store(dzx_ptr + b * sg_b + H * P + h * P, sg_l, c, L, p,
+                             _by_token(dX * mx, C, R, PP), P, C, R, PP)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
             if R == 1:
@@ -1205,19 +1196,24 @@ def _chunks(L, tiles):
     return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
 
 
+def _setup(zxbcdt, B_bias, sizes, mimo, backward):
+    """What a launch needs: the shapes (_mixer_shapes), the tiles, the chunks nc, the accumulator
+    dtype, the launch options, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
+    shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
+    tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
+    options = _launch_options(backward, _major(zxbcdt), tiles)
+    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    mimo = [None if m is None else m.contiguous() for m in mimo]
+    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), options, zx, mimo
+
+
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
                    ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
                    mimo_o=None):
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
     ones, phase (B*H, nc, S))."""
-    mimo = None if mimo_x is None else (mimo_x, mimo_z, mimo_o)
-    Bsz, L, H, P, G, N, S, C, R = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles,
-                                                chunk_size, mimo)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, R)
-    nc, acc = _chunks(L, tiles), _compute_dtype(zxbcdt)
-    options = _launch_options(False, _major(zxbcdt), tiles)
-    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
-    mimo = (None,) * 3 if mimo is None else [m.contiguous() for m in mimo]
+    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, options, zx, mimo = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), False)
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
@@ -1236,21 +1232,15 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
     d B_bias, d C_bias, d D, d mimo_x, d mimo_z, d mimo_o (empty for SISO)); the parameters'
     per-(b, h, chunk) sums are added up here."""
-    mimo = None if mimo_x is None else (mimo_x, mimo_z, mimo_o)
-    Bsz, L, H, P, G, N, S, C, R = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles,
-                                                chunk_size, mimo)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, R)
-    nc, acc = _chunks(L, tiles), _compute_dtype(zxbcdt)
-    options = _launch_options(True, _major(zxbcdt), tiles)
-    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, options, zx, lifts = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), True)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    lifts = (None,) * 3 if mimo is None else [m.contiguous() for m in mimo]
     width = 2 * R * N + 2 * N + 2  # of a row of dparam
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
-        dmimo = None if mimo is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
+        dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
         _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
@@ -1268,10 +1258,10 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     # copies: a custom op's outputs may not alias each other
     grads = [g.to(p.dtype, copy=True) for g, p in zip(grads, params)]
-    if mimo is None:
+    if mimo_x is None:
         return (dzx, *grads, *(zx.new_empty(0) for _ in range(3)))
     dmimo = dmimo.view(Bsz, H, nc, 3, R, P).sum((0, 2)).unbind(1)  # 3 x (H, R, P)
-    return (dzx, *grads, *(g.to(m.dtype, copy=True) for g, m in zip(dmimo, mimo)))
+    return (dzx, *grads, *(g.to(m.dtype, copy=True) for g, m in zip(dmimo, lifts)))
 
 
 if triton is not None:

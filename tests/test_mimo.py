@@ -409,6 +409,8 @@ for reset in (False, True):
         print(json.dumps(dict(kernel=fn.__name__, reset=reset, spills=int(spills[1]),
                               shared=kernel.metadata.shared, wgmma="wgmma" in kernel.asm["ptx"])))
 """
+# the most spill bytes a thread each may have: today's figures (Triton 3.9) with a little room
+SPILLS = {"_mixer_fwd": 256, "_mixer_bwd": 5632}
 
 
 @pytest.mark.slow
