@@ -162,7 +162,8 @@ def _weights(D, w, g, R=1):
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
-        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R)
+        # (a copy: with one token a chunk, reshape would keep expand's shared memory)
+        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R).contiguous()
     _own(W, R).copy_(g[:, None, None, :])
     return W
 

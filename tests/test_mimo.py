@@ -297,8 +297,9 @@ def test_fused_mimo_matches_the_recurrence():
 @pytest.mark.interpreter
 def test_fused_mimo_in_float32_and_bf16():
     # zxbcdt rounded to the dtype, parameters float32 (as under autocast), against float64 on the
-    # same rounded input: the kernels' own rounding (tf32 products for float32)
-    zx, params, reset, sizes = fused_case(1, 29, 2, 16, 1, 32, 8, 8, 4, True)
+    # same rounded input: the kernels' own rounding (tf32 products for float32, in chunks of 32
+    # rows: 8 tokens, where bf16 takes the 64 rows of 16 tokens)
+    zx, params, reset, sizes = fused_case(1, 29, 2, 16, 1, 32, 8, 16, 4, True)
     for dtype, tol in ((torch.float32, 8e-3), (torch.bfloat16, 5e-2)):
         zx_d = zx.to(dtype)
         ref = run_region(kernels.mixer_torch, zx_d.double(), params, reset, sizes)

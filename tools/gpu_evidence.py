@@ -256,7 +256,8 @@ def traffic(
     headdim: int = typer.Option(64, min=1, help="P"),
     d_state: int = typer.Option(128, min=2, help="N"),
     ngroups: int = typer.Option(1, min=1, help="G"),
-    chunk_size: int = typer.Option(64, min=16, help="C"),
+    chunk_size: int = typer.Option(64, min=16, help="C, in rows (C / R tokens)"),
+    mimo_rank: int = typer.Option(1, "--mimo-rank", min=1, help="R (MIMO)"),
     dtype: DType = typer.Option("bf16", help="in_proj's output dtype."),
     official: Optional[Path] = Official,
 ):
@@ -276,19 +277,22 @@ def traffic(
             raise ValueError("traffic counts through Triton's interpreter: run it as python "
                              "tools/gpu_evidence.py traffic, or with TRITON_INTERPRET=1")
     cfg = ModelConfig(d_model=heads * headdim // 2, headdim=headdim, d_state=d_state,
-                      ngroups=ngroups, chunk_size=chunk_size, n_layer=1, vocab_size=256)
+                      ngroups=ngroups, chunk_size=chunk_size, n_layer=1, vocab_size=256,
+                      mimo_rank=mimo_rank)
     torch.manual_seed(0)
     mixer = Mamba3Mixer(cfg)
     mixer.in_proj, mixer.out_proj = torch.nn.Identity(), torch.nn.Identity()  # the region alone
-    params = list(mixer.parameters())
+    names = ["dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D"]
+    params = [getattr(mixer, n) for n in names + ["mimo_x", "mimo_z", "mimo_o"] * (mimo_rank > 1)]
     B, L = batch_size, seq_len
     zx = (torch.randn(B, L, sum(mixer.split)) * 0.5).to(TORCH_DTYPE[dtype]).requires_grad_()
     dout = torch.randn(B, L, cfg.d_inner).to(zx.dtype)
-    kw = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=chunk_size,
-              A_floor=cfg.A_floor, eps=cfg.norm_eps)
+    kw = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=cfg.chunk_tokens,
+              A_floor=cfg.A_floor, eps=cfg.norm_eps, mimo=tuple(params[6:]) or None)
     fused, glue = "fused (kernels.mixer_triton)", "eager PyTorch (kernels.mixer_torch)"
-    counts = {fused: count_region(lambda: K.mixer_triton(zx, *params, **kw), [zx] + params, dout),
-              glue: count_region(lambda: K.mixer_torch(zx, *params, **kw, impl="torch")[0],
+    counts = {fused: count_region(lambda: K.mixer_triton(zx, *params[:6], **kw), [zx] + params,
+                                  dout),
+              glue: count_region(lambda: K.mixer_torch(zx, *params[:6], **kw, impl="torch")[0],
                                  [zx] + params, dout)}
     if official:
         with cli_errors(ValueError, ImportError):
@@ -307,7 +311,8 @@ def traffic(
         rows.append([name, f"{fwd.total() / 1e6:.3f}", f"{bwd.total() / 1e6:.3f}", f"{total / 1e6:.3f}",
                      f"{total / sum(minimum):.2f}x", f"{fwd.count('triton')}/{bwd.count('triton')}",
                      f"{fwd.count('eager')}/{bwd.count('eager')}"])
-    shape = f"B{B} L{L} H{heads} P{headdim} N{d_state} G{ngroups} S{cfg.n_angles} C{chunk_size}"
+    shape = (f"B{B} L{L} H{heads} P{headdim} N{d_state} G{ngroups} S{cfg.n_angles} C{chunk_size}"
+             + (f" R{mimo_rank}" if mimo_rank > 1 else ""))
     print_table(f"mixer region traffic, MB ({shape} {dtype}; in_proj and out_proj excluded)",
                 ["path", "fwd MB", "bwd MB", "total MB", "vs minimum", "launches fwd/bwd",
                  "eager ops fwd/bwd"], rows)
