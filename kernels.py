@@ -170,11 +170,9 @@ def _weights(D, w, g, R=1):
 
 class ChunkedScan(torch.autograd.Function):
     """The chunked form (the module docstring's) on chunk-major tensors: b = B*H*nc chunks of C
-    tokens, each C*R rows for rank R (row i: token i // R); seg (b, C), the resets counted inside
-    each chunk, or None. A short loop over the chunks chains them (Sin_{c+1} = Sout_c). Forward and
-    backward are written out by hand: autograd would keep and copy several C x C temporaries per
-    chunk; this keeps three (the decay matrix D, the scores Q K^T and M = W o Q K^T) and spends its
-    time in batched matmuls.
+    tokens, C*R rows each (row i: token i // R); seg (b, C), the resets counted inside each chunk,
+    or None. A short loop over the chunks chains them. By hand, not autograd, which would keep
+    several C x C temporaries per chunk; this keeps three (D, Q K^T and M = W o Q K^T).
 
     The backward of one chunk, written once for both fast paths (_mixer_bwd computes the same in a
     scaled form). dY is Y's gradient, G that of Sout, D_ij = exp(cs_i - cs_j) for j <= i in one
@@ -498,7 +496,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _last(v, i, C: tl.constexpr):
-        # v's entry at i = C - 1, as a scalar (v: (C,))
+        # v's entry at i = C - 1 (_first: at 0), as a scalar (v: (C,))
         return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
 
     @triton.jit
@@ -1069,13 +1067,11 @@ def _pow2(d, least=16):
 
 
 def _mixer_tiles(chunk_size, P, N, dtype, R=1):
-    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the kernels' chunk C in
-    rows (chunk_size tokens of R rows each, rank R), the tiles PP >= P and NH >= N / 2 (q, k and the
-    state are held as their even and odd dims), the dot operand dtype DT (zxbcdt's), the
-    accumulator dtype ACC and the products' precision PREC. float32 takes tf32 products (true
-    float32 ones run on FMA units: the sm_90 backward spilled 19 KB a thread and took minutes to
-    compile) in chunks of at most 32 rows (at 64 the backward spills 5.0 KB and asks 224 KB of
-    shared memory on sm_90; at 32, 1.9 and 56). Any chunk, the same algebra."""
+    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the chunk C in rows
+    (chunk_size tokens of R ranks), the tiles PP >= P and NH >= N / 2, the dot operand dtype DT
+    (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32 takes tf32
+    products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at 64
+    the sm_90 backward asks 224 KB of shared memory). Any chunk, the same algebra."""
     C = min(chunk_size * R, 32) if dtype == torch.float32 else chunk_size * R
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(C=C, R=R, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
