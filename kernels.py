@@ -1314,12 +1314,11 @@ if triton is not None:
 
     def _mixer_setup_context(ctx, inputs, output):
         *tensors, reset = inputs[:8]
-        ctx.sizes, ctx.mimo = inputs[8:14], inputs[14:]
+        ctx.sizes = inputs[8:14]
         _, states, phase = output
         ctx.mark_non_differentiable(states, phase)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-        ctx.save_for_backward(*tensors, reset, states, phase, *ctx.mimo)
-        ctx.mimo = len(ctx.mimo)
+        ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
 
     def _mixer_grad(ctx, dout, _dstates, _dphase):
         saved = ctx.saved_tensors
