@@ -1163,15 +1163,15 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=N
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G, S, C = headdim, ngroups, n_angles, chunk_size
-    if R < 2 and mimo is not None or R > 32 or R & (R - 1):
+    if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
         raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO: mimo=None) "
                          f"or a power of 2 from 2 to 32 (a chunk's rows are its tokens' ranks); "
                          f"got {R}: use impl='torch' (MAMBA3_IMPL=torch) for other ranks")
-    if mimo is not None and any(m.shape != (H, R, P) for m in mimo) or B_bias.shape[1:-1] != (
-            (R,) if R > 1 else ()):
-        raise ValueError(f"mixer: B_bias must be (H, R, N) and the mimo vectors (H, R, P) for "
-                         f"MIMO rank R = {R} > 1 (B_bias (H, N) for SISO), got B_bias "
-                         f"{tuple(B_bias.shape)}")
+    bias = (H, N) if mimo is None else (H, R, N)
+    if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
+        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors (H, R, P) = "
+                         f"{(H, R, P)}, got {tuple(B_bias.shape)} and "
+                         f"{[tuple(m.shape) for m in mimo or ()]}")
     if not isinstance(C, int) or C * R < 16 or C & (C - 1):
         raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
                          f"mimo_rank >= 16 rows (tl.dot's minimum), got {C} (rank {R})")
