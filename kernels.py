@@ -162,18 +162,17 @@ def _weights(D, w, g, R=1):
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
-        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R)
+        # (a copy: with one token a chunk, reshape would keep expand's shared memory)
+        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R).contiguous()
     _own(W, R).copy_(g[:, None, None, :])
     return W
 
 
 class ChunkedScan(torch.autograd.Function):
     """The chunked form (the module docstring's) on chunk-major tensors: b = B*H*nc chunks of C
-    tokens, each C*R rows for rank R (row i: token i // R); seg (b, C), the resets counted inside
-    each chunk, or None. A short loop over the chunks chains them (Sin_{c+1} = Sout_c). Forward and
-    backward are written out by hand: autograd would keep and copy several C x C temporaries per
-    chunk; this keeps three (the decay matrix D, the scores Q K^T and M = W o Q K^T) and spends its
-    time in batched matmuls.
+    tokens, C*R rows each (row i: token i // R); seg (b, C), the resets counted inside each chunk,
+    or None. A short loop over the chunks chains them. By hand, not autograd, which would keep
+    several C x C temporaries per chunk; this keeps three (D, Q K^T and M = W o Q K^T).
 
     The backward of one chunk, written once for both fast paths (_mixer_bwd computes the same in a
     scaled form). dY is Y's gradient, G that of Sout, D_ij = exp(cs_i - cs_j) for j <= i in one
@@ -189,13 +188,10 @@ class ChunkedScan(torch.autograd.Function):
         dcs_i = sum_{j<i} R_ij w_j - w_i sum_{l>i} R_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
                 + [i = last] (sum_j du_j u_j + a <G, Sin>)
 
-    cs_i enters W_ij (j < i) with + and W_li (l > i) with -, e_i itself, u_i = w_i exp(cs_last -
-    cs_i) with -, and cs_last every u_j and a. A decay that crosses a reset is a constant 0, so the
-    same masks cover the gradients. cs is a running sum of log_a: dlog_a is the reverse running sum
-    of dcs; w_s = gamma_s + beta_{s+1}: dgamma_s gets dw_s, dbeta_{s+1} gets dw_s too. With R > 1
-    the same formulas hold per token once the row sums are taken: R_ii is the sum over the token's
-    own (R x R) block, and the row terms of cs, w and u add up over the token's rows (within the
-    block, the R_ij w_j and w_i R_li terms of dcs cancel)."""
+    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, u_i with -; cs_last every u_j and
+    a.) Masks cover the resets. dlog_a is the reverse running sum of dcs; dgamma_s and dbeta_{s+1}
+    get dw_s. With R > 1 the formulas hold per token once its rows are summed: R_ii is the sum over
+    its own (R x R) block, in which the R_ij w_j and w_i R_li terms of dcs cancel."""
 
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
@@ -421,17 +417,15 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # -----------------------------------------------------------------------------
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
 #
-# One program per (b, h) walks the chunks in order and keeps the (P x N) state on chip in float32,
-# so states cross chunks in registers, not through HBM; it saves the state entering each chunk (in
-# the dot operand dtype) for the backward, which walks the chunks in reverse with the state's
-# gradient G on chip. zxbcdt is read in place through its strides, the tokens past L in the last
-# chunk masked. Tiles are padded to powers of 2, at least 16 for tl.dot: PP >= P, and N is held as
-# its even and odd dims, two tiles of NH >= N / 2 (see _qk). Two dtypes, both tl.constexpr: DT, the
-# one operand dtype of every tl.dot (zxbcdt's: bf16, fp16 or fp32), and ACC, the dtype of cumsums,
-# states, scalars and accumulators (float32; float64 for float64 inputs, as the oracle tests), and
-# PREC, the products' input precision (tf32 for float32 operands: see _mixer_tiles). The model's
-# sizes (H, G, P, N, S) are tl.constexpr too: index arithmetic folds, and a kernel is compiled once
-# per model shape.
+# One program per (b, h) walks the chunks with the (P x N) state on chip in float32 and saves the
+# state entering each chunk (in the dot operand dtype) for the backward, which walks them in
+# reverse with the state's gradient G on chip; zxbcdt is read in place through its strides. A
+# chunk is C rows, row i rank i % R of token i // R (R = 1: SISO, a row a token), so a MIMO chunk
+# of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted once,
+# on its first row. Tiles are powers of 2, at least 16 for tl.dot: PP >= P, and N as its even and
+# odd dims, two tiles of NH >= N / 2 (see _qk). tl.constexpr: DT, the operand dtype of every tl.dot
+# (zxbcdt's), ACC, that of cumsums, states and accumulators (float32; float64 for float64 inputs),
+# PREC, the products' input precision (tf32 for float32: _mixer_tiles), and the model's sizes.
 
 try:
     import triton
@@ -475,11 +469,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a product's operands in its one dtype DT. PREC is the product's input precision: "ieee",
-        # or "tf32" for float32 operands (tensor cores, reading 10 of float32's 23 mantissa bits).
-        # The interpreter multiplies in numpy, so what a GPU does is done here: bf16 operands go to
-        # float32 (numpy would multiply bf16 bit patterns), tf32 operands lose their last 13
-        # mantissa bits (what the hardware ignores: cut, the larger error, not rounded)
+        # a product's operands in DT; PREC "ieee", or "tf32" for float32 (tensor cores read 10 of
+        # its 23 mantissa bits). The interpreter multiplies in numpy, so it is made to do what a GPU
+        # does: bf16 goes to float32 (numpy would multiply bit patterns), tf32 loses 13 bits (cut)
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -497,16 +489,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-        # acc + a b, as _dot. An explicit accumulator where it is not itself a product: a product's
-        # result added to a zero-accumulator dot becomes that dot's accumulator, and a product that
-        # feeds another product gets the costlier layout on GPUs (see _scaled_weights). out_dtype
-        # because Triton 3.6 would take float32 for granted.
+        # acc + a b, as _dot, for an acc that is not itself a product (one that feeds another
+        # product gets the costlier layout on GPUs). out_dtype: Triton 3.6 would assume float32
         a, b = _operands(a, b, DT, PREC)
         return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     @triton.jit
     def _last(v, i, C: tl.constexpr):
-        # v's entry at i = C - 1, as a scalar (v: (C,))
+        # v's entry at i = C - 1 (_first: at 0), as a scalar (v: (C,))
         return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
 
     @triton.jit
@@ -514,9 +504,27 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.sum(tl.where(i == 0, v, 0), axis=0)
 
     @triton.jit
-    def _shift_down(v, i):
-        # v_{i-1} at i (0 at i = 0): a (C, C) select and sum, cheap next to the chunk's matmuls
-        return tl.sum(tl.where(i[:, None] == i[None, :] + 1, v[None, :], 0.0), axis=1)
+    def _shift_down(v, tok):
+        # the sum of v over the rows of the token before each row's (0 in the first): a (C, C)
+        # select and sum, cheap next to the chunk's matmuls
+        return tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, v[None, :], 0.0), axis=1)
+
+    @triton.jit
+    def _token_sum(v, tok, R: tl.constexpr):
+        # the sum of v (C,) over each row's token's R rows, on each of them
+        if R > 1:
+            v = tl.sum(tl.where(tok[:, None] == tok[None, :], v[None, :], 0.0), axis=1)
+        return v
+
+    @triton.jit
+    def _by_token(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+        # (C, W) rows -> (C / R, W): each token's sum over its R rows
+        return tl.sum(tl.reshape(v, (C // R, R, W)), 1)
+
+    @triton.jit
+    def _by_rank(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+        # (C, W) rows -> (R, W): each rank's sum over the chunk's tokens
+        return tl.sum(tl.reshape(v, (C // R, R, W)), 0)
 
     @triton.jit
     def _in_bounds(valid, cols, ncols: tl.constexpr, TILE: tl.constexpr):
@@ -528,21 +536,22 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return mask
 
     @triton.jit
-    def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr,
+    def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr, R: tl.constexpr,
                       HAS_RESET: tl.constexpr):
-        # chunk c's tokens t, which of them exist (t < L), their rows of zxbcdt (B, L, W), seg: the
-        # resets counted from the chunk's start through each token, and start: where each token's
-        # segment starts in the chunk, the latest reset at or before it (zeros without resets)
-        t = c * C + i
-        valid = t < L
+        # chunk c's rows i (rank i % R of token i // R): their tokens t, which exist (t < L), which
+        # rows are their token's first (its scalars count once), their rows of zxbcdt (B, L, W),
+        # seg: the resets counted from the chunk's start through each row's token, and start: the
+        # first row of the latest reset at or before it (zeros without resets)
+        t = c * (C // R) + i // R
+        valid, first = t < L, i % R == 0
         rows = zx_ptr + b * s_b + t * s_l
         if HAS_RESET:
-            r = tl.load(reset_ptr + b * L + t, mask=valid, other=0).to(tl.int32)
+            r = tl.load(reset_ptr + b * L + t, mask=valid & first, other=0).to(tl.int32)
             seg = tl.cumsum(r, 0)
             start = tl.associative_scan(tl.where(r != 0, i, 0), 0, _maximum)
         else:
             seg, start = tl.zeros(t.shape, tl.int32), tl.zeros(t.shape, tl.int32)
-        return t, valid, rows, seg, start
+        return t, valid, first, rows, seg, start
 
     @triton.jit
     def _maximum(a, b):
@@ -579,13 +588,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
 
     @triton.jit
-    def _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H: tl.constexpr, G: tl.constexpr,
-                 P: tl.constexpr, N: tl.constexpr, ACC: tl.constexpr):
-        """Head h's per-token scalars at the token rows, an _Scalars: dt, softplus' and lam for each
-        token, the same for the next token (whose beta completes w: token s's input enters with
-        gamma_s now and beta_{s+1} one step later), f(dd_A) and f', A, gamma, w and cs, the running
-        sum of log_a = A dt."""
-        col_dt = 2 * H * P + 2 * G * N
+    def _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H: tl.constexpr,
+                 G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
+                 ACC: tl.constexpr):
+        """Head h's per-token scalars on the chunk's rows, an _Scalars: dt, softplus' and lam, the
+        same for the next token (whose beta completes w: token s's input enters with gamma_s now
+        and beta_{s+1} one step later), f(dd_A) and f', A, gamma, w and cs, the running sum of
+        log_a = A dt over the tokens (one row each)."""
+        col_dt = 2 * H * P + 2 * R * G * N
         dt, dsp, lam = _dt_lam(rows, valid, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dt_n, dsp_n, lam_n = _dt_lam(rows + s_l, t + 1 < L, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dd_A = tl.load(rows + col_dt + H + h, mask=valid, other=0.0).to(ACC)
@@ -593,20 +603,18 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         A = -tl.maximum(fA, A_floor)
         gamma = lam * dt
         w = gamma + (1.0 - lam_n) * dt_n
-        cs = tl.cumsum(A * dt, 0)
+        cs = tl.cumsum(tl.where(first, A * dt, 0.0), 0)
         return _Scalars(dt, dsp, lam, dt_n, dsp_n, lam_n, fA, dfA, A, gamma, w, cs)
 
     @triton.jit
-    def _decays(cs, seg, start, i, C: tl.constexpr):
+    def _decays(cs, seg, start, i, tok, C: tl.constexpr):
         """A chunk's decays from its cs, seg and start (C,), 0 wherever they would cross a reset:
-            decay_ij = exp(cs_i - cs_j) for j <= i in one segment      (C, C)
+            decay_ij = exp(cs_i - cs_j) for j's token up to i's, in one segment      (C, C)
             e_i = exp(cs_i),  f_j = exp(cs_last - cs_j),  a = exp(cs_last)
-        (from the chunk's start to i, from j to its end, over the whole chunk). Every exponent is
-        <= 0 (log_a <= 0) but the differences above the diagonal, > 0 and possibly huge: they are
-        clamped to 0 first and masked after. (j in i's segment is start_i <= j <= i: a test on
-        one row vector, where seg_i == seg_j would need seg as a column too, in another layout.)"""
+        Every exponent is <= 0 but the differences above the diagonal, clamped to 0 first and
+        masked after. (j in i's segment: start_i <= j, a test on one row vector.)"""
         cs_last, seg_last = _last(cs, i, C), _last(seg, i, C)
-        same = (i[None, :] <= i[:, None]) & (i[None, :] >= start[:, None])
+        same = (tok[None, :] <= tok[:, None]) & (i[None, :] >= start[:, None])
         decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
         e = tl.where(seg == 0, tl.exp(cs), 0.0)
         f = tl.where(seg == seg_last, tl.exp(cs_last - cs), 0.0)
@@ -614,19 +622,16 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return decay, e, f, a
 
     @triton.jit
-    def _scaled_weights(decay, gamma, w, i):
-        """M, the chunk's weights for k's rows scaled by w (Kw = w k): decay below the diagonal,
-        gamma / w on it, so that M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw. Then W, a
-        product of a (C, C) tile and a row vector, is never built: on GPUs the (C, C) products that
-        feed other products are laid out twice over (all warps along the rows), and W's extra tile
-        and w's broadcast were what spilled. gamma / w lies in [0, 1] (w = gamma + the next token's
-        beta, both >= 0; w = 0 only with gamma = 0)."""
-        return tl.where(i[:, None] == i[None, :], _over_w(gamma, w)[:, None], decay)
+    def _scaled_weights(decay, gamma, w, tok):
+        """M, the chunk's weights for k's rows scaled by w (Kw = w k): decay between tokens, gamma
+        / w within one, so that M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw. W, a (C, C)
+        tile times a row vector, is then never built: on GPUs its extra tile spilled. gamma / w
+        lies in [0, 1] (w = gamma + the next token's beta)."""
+        return tl.where(tok[:, None] == tok[None, :], _over_w(gamma, w)[:, None], decay)
 
     @triton.jit
     def _over_w(v, w):
-        # v / w where w > 0, else 0 (there v = 0 too: a token that adds nothing to the state has no
-        # w terms)
+        # v / w where w > 0, else 0 (there v = 0 too, or what it feeds is multiplied by 0)
         return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
 
     @triton.jit
@@ -636,14 +641,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return dvo * ve - dve * vo
 
     @triton.jit
-    def _phase(rows, valid, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
+    def _phase(rows, valid, first, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
                HAS_RESET: tl.constexpr):
-        """tanh(angle) (C, NH) (0 for the pairs j >= S, which therefore never turn) and the phases:
-        the carry from the chunks before plus the running sum of theta dt = pi tanh(angle) dt inside
-        the chunk, both restarting at a reset (with resets a segmented scan, _seg_cumsum)."""
+        """tanh(angle) (C, NH) (0 for the pairs j >= S, which never turn) and the phases: the carry
+        from the chunks before plus the running sum of theta dt = pi tanh(angle) dt over the
+        chunk's tokens, both restarting at a reset (then a segmented scan, _seg_cumsum)."""
         mask = valid[:, None] & (j < S)[None, :]
         th = _tanh(tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC))
-        v = (_PI * th) * dt[:, None]
+        v = tl.where(first[:, None], (_PI * th) * dt[:, None], 0.0)
         if HAS_RESET:
             Phi = _seg_cumsum(v, seg, False)
         else:
@@ -652,10 +657,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # the running sum of v (C, NH) along the tokens inside each segment (seg (C,), the resets
-        # counted so far: non-decreasing), forwards (j <= i) or backwards (j >= i): a scan of
-        # (segment, sum) pairs, in float32 as tl.cumsum is. (A product with the one-segment mask,
-        # as it was, is a float32 dot: on FMA units, and it spilled the backward.)
+        # the running sum of v (C, NH) along the rows inside each segment (seg (C,), the resets
+        # counted so far: non-decreasing), forwards or backwards: a scan of (segment, sum) pairs
+        # (a product with the one-segment mask would be a float32 dot on FMA units: it spilled)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -663,26 +667,50 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of tokens as (the segment their last token is in, the sum over their tokens
-        # in that segment): seg never decreases, so the later segment is the larger number.
-        # Commutative and associative: the scan may combine in any order
+        # two ranges of rows as (the segment of their last row, the sum over their rows in it):
+        # seg never decreases, so the later segment is the larger number. Associative and
+        # commutative: the scan may combine in any order
         s = tl.maximum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _first_segment(s1, v1, s2, v2):
-        # the same for a backward scan: the segment of the ranges' first token
+        # the same for a backward scan: the segment of the ranges' first row
         s = tl.minimum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
-        # an (N,) parameter's even and odd entries (B's or C's norm weight, a head's bias), (NH,)
-        # each. Read once per chunk, not once per program: a loop-invariant vector broadcast to a
-        # tile would be hoisted out of the chunk loop and hold registers through it.
+        # an (N,) parameter's even and odd entries (a norm weight, a bias), (NH,) each. Read once
+        # per chunk: a loop-invariant vector broadcast to a tile would be hoisted out of the chunk
+        # loop and hold registers through it.
         m = j < N // 2
         even = tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC)
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
+
+    @triton.jit
+    def _bias(ptr, h, rank, j, N: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
+        # head h's B or C bias (H, R, N) at each row's rank, even and odd dims: (1 or C, NH) each
+        if R == 1:
+            be, bo = _pairs(ptr + h * N, j, N, ACC)
+            be, bo = be[None, :], bo[None, :]
+        else:
+            be, bo = _pairs(ptr + ((h * R + rank) * N)[:, None], j[None, :], N, ACC)
+        return be, bo
+
+    @triton.jit
+    def _lift(ptr, h, rank, p, P: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
+        # mimo_x, mimo_z or mimo_o (H, R, P) of head h at each row's rank: (C, PP)
+        ptrs = ptr + ((h * R + rank) * P)[:, None] + p[None, :]
+        return tl.load(ptrs, mask=(p < P)[None, :], other=0.0).to(ACC)
+
+    @triton.jit
+    def _token_store(ptr, s_l, c, L, p, v, P: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     PP: tl.constexpr):
+        # v (C / R, PP), one row per token of chunk c, to ptr + t s_l + p
+        t = c * (C // R) + tl.arange(0, C // R)
+        tl.store(ptr + t[:, None] * s_l + p[None, :], v.to(ptr.dtype.element_ty),
+                 mask=_in_bounds(t < L, p, P, PP))
 
     @triton.jit
     def _pairs_store(ptr, ve, vo, mask):
@@ -691,21 +719,31 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qk(rows, valid, col, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
+    def _bias_store(ptr, dve, dvo, j, N: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                    NH: tl.constexpr):
+        # a bias's gradient, the chunk's rows summed per rank, to ptr (R, N)
+        if R == 1:
+            _pairs_store(ptr + 2 * j, tl.sum(dve, 0), tl.sum(dvo, 0), j < N // 2)
+        else:
+            ptrs = ptr + (tl.arange(0, R) * N)[:, None] + 2 * j[None, :]
+            _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
+                         (j < N // 2)[None, :])
+
+    @triton.jit
+    def _qk(ptrs, valid, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
             ACC: tl.constexpr):
-        """One head's k (from B's columns at col) or q (from C's) as its even and odd dims, (C, NH)
-        each: RMS-normalised over N, times the norm weight, plus the head's bias, each pair
-        (2j, 2j + 1) turned by its phase (pad rows are zeros). Then what the backward needs
-        besides: the normalised dims and 1 / rms. Two strided loads instead of one (C, N) tile: a
-        pair's halves then sit in two tiles of one layout, and the turn is elementwise, with no
-        reshape or shuffle between layouts."""
-        ptr = rows[:, None] + col + 2 * j[None, :]
+        """k (ptrs: each row's B columns) or q (its C columns) as even and odd dims, (C, NH) each:
+        RMS-normalised over N, times the norm weight, plus the bias, each pair (2j, 2j + 1) turned
+        by its phase (pad rows are zeros); then the normalised dims and 1 / rms for the backward.
+        Two strided loads, not one (C, N) tile: a pair's halves then sit in two tiles of one
+        layout, and the turn is elementwise."""
+        ptr = ptrs[:, None] + 2 * j[None, :]
         mask = _in_bounds(valid, j, N // 2, NH)
         xe = tl.load(ptr, mask=mask, other=0.0).to(ACC)
         xo = tl.load(ptr + 1, mask=mask, other=0.0).to(ACC)
         rstd = 1.0 / tl.sqrt((tl.sum(xe * xe, 1) + tl.sum(xo * xo, 1)) / N + eps)
         he, ho = xe * rstd[:, None], xo * rstd[:, None]
-        ve, vo = he * we[None, :] + be[None, :], ho * wo[None, :] + bo[None, :]
+        ve, vo = he * we[None, :] + be, ho * wo[None, :] + bo
         keep = valid[:, None]
         turned_e = tl.where(keep, ve * cos - vo * sin, 0.0)
         return turned_e, tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
@@ -722,131 +760,140 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
-                   out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor, eps,
-                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                   S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr,
-                   DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+                   mx_ptr, mz_ptr, mo_ptr, out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor,
+                   eps, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                   S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
+                   NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of
-        in_proj's output zxbcdt (B, L, 2HP + 2GN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's B
-        and C; the angles), the parameters and reset (B, L) if any; computes dt, A, the trapezoid,
-        the phases, q and k in registers, runs the scan with the (P, N) state on chip, adds D x,
-        gates with silu(z) and writes out (B, L, H*P). Saves only what the backward cannot recompute
-        from zxbcdt: the state entering each chunk, in DT (the descriptor `states` over
-        (B*H*nc*PP, 2NH), padded tiles, even state dims in the first NH columns, odd ones in the
-        next), and the phase entering each chunk (B*H, nc, S). q, k and the state are kept as their
-        even and odd dims, two tiles each (see _qk): a product over N is the sum of two over N/2."""
+        zxbcdt (B, L, 2HP + 2RGN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's R ranks of B and
+        C; the angles), the parameters (mimo_x/z/o (H, R, P) if R > 1) and reset (B, L) if any;
+        computes the scalars, phases, q and k in registers, runs the scan, adds D x, gates, sums the
+        ranks and writes out (B, L, H*P). Saves what the backward cannot recompute: the state
+        entering each chunk in DT (descriptor `states` over (B*H*nc*PP, 2NH): even state dims, then
+        odd ones) and the phase entering it (B*H, nc, S)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
+        tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
         Se, So = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
         carry = tl.zeros((NH,), ACC)
-        col_ang = 2 * H * P + 2 * G * N + 3 * H
-        col_B = 2 * H * P + (h // (H // G)) * N  # the head's group's B; its C is G*N columns later
+        col_ang = 2 * H * P + 2 * R * G * N + 3 * H
+        # each row's rank of its head's group's B; its C is R*G*N columns later
+        col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
         for c in range(nc):
-            t, valid, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
-                                                HAS_RESET)
-            sc = _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H, G, P, N, ACC)
+            t, valid, first, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L,
+                                                              i, C, R, HAS_RESET)
+            sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
             # the phases, and from them k and q (in DT: from here on they only feed dots)
             tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
-            _, Phi = _phase(rows, valid, col_ang, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
+            _, Phi = _phase(rows, valid, first, col_ang, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the next chunk's, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
             we, wo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _pairs(Bb_ptr + h * N, j, N, ACC)
-            Ke, Ko = _qk(rows, valid, col_B, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
+            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
+            Ke, Ko = _qk(rows + col_B, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
             we, wo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _pairs(Cb_ptr + h * N, j, N, ACC)
-            col_C = col_B + G * N
-            Qe, Qo = _qk(rows, valid, col_C, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
+            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
+            col_C = col_B + R * G * N
+            Qe, Qo = _qk(rows + col_C, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
             Kwe, Kwo = (Ke * sc.w[:, None]).to(DT), (Ko * sc.w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
             # the scan (in the scaled form of _scaled_weights), the D skip and the gate
-            decay, e, f, a = _decays(sc.cs, seg, start, i, C)
+            decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
             xz = rows[:, None] + h * P + p[None, :]
             xz_mask = _in_bounds(valid, p, P, PP)
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
+            if R > 1:  # the rows' inputs v_r = x mimo_x[h, r]
+                X = (X.to(ACC) * _lift(mx_ptr, h, rank, p, P, R, ACC)).to(DT)
             row = ((bh * nc + c) * PP).to(tl.int32)
             states.store([row, 0], Se.to(DT))
             states.store([row, NH], So.to(DT))
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
-            MS = _scaled_weights(decay, sc.gamma, sc.w, i) * scores
+            MS = _scaled_weights(decay, sc.gamma, sc.w, tok) * scores
             Y = _dot(MS, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
             Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
+            if R > 1:
+                Z = Z * _lift(mz_ptr, h, rank, p, P, R, ACC)
             out = (Y + D * X.to(ACC)) * Z * tl.sigmoid(Z)
-            tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=xz_mask)
+            if R == 1:
+                tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=xz_mask)
+            else:  # sum_r mimo_o[h, r] y_r: a token from its R rows
+                out = _by_token(out * _lift(mo_ptr, h, rank, p, P, R, ACC), C, R, PP)
+                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p, out, P, C, R, PP)
 
     @triton.jit
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
-                   dout_ptr, sd_b, sd_l, states, phase_ptr, dzx_ptr, sg_b, sg_l, part_ptr,
-                   dparam_ptr, L, nc, A_floor, eps,
+                   mx_ptr, mz_ptr, mo_ptr, dout_ptr, sd_b, sd_l, states, phase_ptr, dzx_ptr, sg_b,
+                   sg_l, part_ptr, dparam_ptr, dmimo_ptr, L, nc, A_floor, eps,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                   S: tl.constexpr, C: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr,
-                   DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+                   S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
+                   NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
         """The mixer region backward, one program per (b, h) walking the chunks in reverse with G
-        (the gradient of the state leaving the chunk, as even and odd dims) and the phase carry's
-        gradient on chip. Reads what _mixer_fwd read, the saved states and phase carries, and dout
-        (B, L, H*P); recomputes the chunk (dt, q, k, y) from zxbcdt. Writes head h's gradient
-        columns of dzxbcdt (z, x, dd_dt, dd_A, trap) and, for what the heads share (B, C within a
-        group, the angles), this head's share to part (B, L, H, 2N + S), summed by _sum_heads; the
-        parameters' gradients as per-(b, h, chunk) sums to dparam (B*H, nc, 4N + 2), summed in torch
-        (a running sum on chip would hold eight (N / 2,) vectors in registers through the walk).
+        (the gradient of the state leaving the chunk) and the phase carry's gradient on chip.
+        Recomputes the chunk from zxbcdt, the saved states and phases; reads dout (B, L, H*P).
+        Writes head h's columns of dzxbcdt (z, x, dd_dt, dd_A, trap), its share of what heads share
+        (B, C, the angles) to part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) sums of
+        the parameters' gradients to dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
 
-        The scan's gradients are ChunkedScan's (its docstring has the derivation), taken through the
-        forward's scaled form (_scaled_weights: Kw = w k, M, f in place of u). There R = dM o M o
-        (Q Kw^T) below the diagonal and df = x . (Kw G^T) already carry the w factors (R_ij w_j and
-        du_i w_i of ChunkedScan's), so dcs needs no product by w, and dw_j = (sum_{l>j} R_lj +
-        df_j f_j) / w_j, dgamma_i = dM_ii q_i . k_i, dK = w dKw. k's phase gradient is that of the
-        turned pairs of Kw and dKw (w cancels), so k itself is not kept. One token's gradient needs
-        the next chunk: beta_{cC} enters w at the last token of chunk c - 1, so each chunk's first
-        token is written one iteration later (pend_*), when chunk c - 1 has its dw."""
+        ChunkedScan's gradients in the forward's scaled form (Kw = w k, M, f for u): Rw = dM o M o
+        (Q Kw^T) between tokens and df = x . (Kw G^T) carry the w factors, so dw_j = (sum_l Rw_lj +
+        df_j f_j) / w_j, dgamma = the own block of dM o (Q K^T), dK = w dKw; k's phase gradient is
+        that of the turned Kw and dKw. A token's scalar gradients sum its R rows (running sums over
+        rows, read at its first). Token s's beta enters w at token s - 1, in chunk c - 1 for a
+        chunk's first token, which is so written one iteration later (pend_*)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
+        tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
         Ge, Go = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
         dcarry = tl.zeros((NH,), ACC)
         zero = tl.zeros_like(dt_bias)
         pend_dt, pend_lam = zero, zero
-        col_dt = 2 * H * P + 2 * G * N
-        col_B = 2 * H * P + (h // (H // G)) * N
-        width = 2 * N + S  # of a row of part
-        for r in range(nc):
-            c = nc - 1 - r
-            t, valid, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C,
-                                                HAS_RESET)
-            sc = _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H, G, P, N, ACC)
+        col_dt = 2 * H * P + 2 * R * G * N
+        col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
+        width = 2 * R * N + S  # of a row of part
+        for step in range(nc):
+            c = nc - 1 - step
+            t, valid, first, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L,
+                                                              i, C, R, HAS_RESET)
+            sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
             w = sc.w
             carry = tl.load(phase_ptr + (bh * nc + c) * S + j, mask=j < S, other=0.0)
-            th, Phi = _phase(rows, valid, col_dt + 3 * H, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
+            th, Phi = _phase(rows, valid, first, col_dt + 3 * H, S, j, sc.dt, seg, carry, ACC,
+                             HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
             Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _pairs(Bb_ptr + h * N, j, N, ACC)
-            Ke, Ko, xBe, xBo, rB = _qk(rows, valid, col_B, j, N, Bwe, Bwo, be, bo, cos, sin, eps,
+            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
+            Ke, Ko, xBe, xBo, rB = _qk(rows + col_B, valid, j, N, Bwe, Bwo, be, bo, cos, sin, eps,
                                        NH, ACC)
             Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _pairs(Cb_ptr + h * N, j, N, ACC)
-            Qe, Qo, xCe, xCo, rC = _qk(rows, valid, col_B + G * N, j, N, Cwe, Cwo, be, bo, cos, sin,
-                                       eps, NH, ACC)
-            qk = tl.sum(Qe * Ke + Qo * Ko, 1)
+            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
+            Qe, Qo, xCe, xCo, rC = _qk(rows + col_B + R * G * N, valid, j, N, Cwe, Cwo, be, bo,
+                                       cos, sin, eps, NH, ACC)
+            if R == 1:
+                qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
             xBe, xBo = xBe.to(DT), xBo.to(DT)
             Qe, Qo, xCe, xCo = Qe.to(DT), Qo.to(DT), xCe.to(DT), xCo.to(DT)
             xz_mask = _in_bounds(valid, p, P, PP)
             xz = rows[:, None] + h * P + p[None, :]
             X = tl.load(xz + H * P, mask=xz_mask, other=0.0)
+            if R > 1:
+                X = (X.to(ACC) * _lift(mx_ptr, h, rank, p, P, R, ACC)).to(DT)
             row = ((bh * nc + c) * PP).to(tl.int32)
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
-            decay, e, f, a = _decays(sc.cs, seg, start, i, C)
-            M = _scaled_weights(decay, sc.gamma, w, i)
+            decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
+            M = _scaled_weights(decay, sc.gamma, w, tok)
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
@@ -854,31 +901,55 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :],
                            mask=xz_mask, other=0.0).to(ACC)
+            g_rows = dzx_ptr + b * sg_b + t * sg_l
+            xz = g_rows[:, None] + h * P + p[None, :]
+            if R > 1:  # z_r = z mimo_z, out = sum_r mimo_o y_r gated: per-(b, h, chunk) sums
+                z_in, mz, mo = Z, _lift(mz_ptr, h, rank, p, P, R, ACC), _lift(mo_ptr, h, rank, p,
+                                                                             P, R, ACC)
+                Z = z_in * mz
+                gm = (dmimo_ptr + (bh * nc + c) * 3 * R * P + (tl.arange(0, R) * P)[:, None]
+                      + p[None, :])
+                tl.store(gm + 2 * R * P, _by_rank(dout * Y * Z * tl.sigmoid(Z), C, R, PP),
+                         mask=(p < P)[None, :])
+                dout = dout * mo
             sz = tl.sigmoid(Z)
             dY = dout * Z * sz
             dZ = dout * Y * sz * (1.0 + Z * (1.0 - sz))
-            g_rows = dzx_ptr + b * sg_b + t * sg_l
-            xz = g_rows[:, None] + h * P + p[None, :]
-            tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            if R == 1:
+                tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            else:
+                tl.store(gm + R * P, _by_rank(dZ * z_in, C, R, PP), mask=(p < P)[None, :])
+                dz = _by_token(dZ * mz, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dz, P, C, R, PP)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
-            dg = dYX * qk
-            # this chunk's row of dparam: [dB_bias | dC_bias | dB_norm_weight | dC_norm_weight]
-            # (N each), d dt_bias, dD
-            prow = dparam_ptr + (bh * nc + c) * (4 * N + 2)
-            pm = j < N // 2
-            tl.store(prow + 4 * N + 1, tl.sum(dYX))
+            # this chunk's row of dparam: [dB_bias | dC_bias (R*N each) | dB_norm_weight |
+            # dC_norm_weight (N each) | d dt_bias | dD]
+            prow = dparam_ptr + (bh * nc + c) * (2 * R * N + 2 * N + 2)
+            tl.store(prow + 2 * R * N + 2 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
             # the scan's gradients, one product at a time
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
             # and the D skip's share
             dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
-            tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            if R == 1:
+                tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
+            else:  # x and mimo_x read again: cheaper than held through the chunk
+                x_in = tl.load(rows[:, None] + H * P + h * P + p[None, :], mask=xz_mask, other=0.0)
+                mx = _lift(mx_ptr, h, rank, p, P, R, ACC)
+                tl.store(gm, _by_rank(dX * x_in.to(ACC), C, R, PP), mask=(p < P)[None, :])
+                _token_store(dzx_ptr + b * sg_b + H * P + h * P, sg_l, c, L, p,
+                             _by_token(dX * mx, C, R, PP), P, C, R, PP)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
-            R = tl.where(i[None, :] < i[:, None], dM * MS, 0.0)
-            col = tl.sum(R, axis=0)
-            dcs += tl.sum(R, axis=1) - col - df * f
+            if R == 1:
+                dg = dYX * qk
+            else:  # the token's own block of dM o (Q K^T), Q K^T = (Q Kw^T) / w there
+                own = tok[:, None] == tok[None, :]
+                dg = _over_w(tl.sum(tl.where(own, dM * scores, 0.0), axis=1), w)
+            Rw = tl.where(tok[None, :] < tok[:, None], dM * MS, 0.0)
+            col = tl.sum(Rw, axis=0)
+            dcs += tl.sum(Rw, axis=1) - col - df * f
             dw = _over_w(col + df * f, w)
             GS = tl.sum(Ge * Se.to(ACC)) + tl.sum(Go * So.to(ACC))  # <G, Sin>
             dcs += tl.where(i == C - 1, tl.sum(df * f, axis=0) + a * GS, 0.0)
@@ -890,9 +961,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
             Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
             dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
-            _pairs_store(prow + 2 * j, tl.sum(dke, 0), tl.sum(dko, 0), pm)
-            _pairs_store(prow + 2 * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
-            share = part_ptr + ((b * L + t) * H + h)[:, None] * width
+            pm = j < N // 2
+            _bias_store(prow, dke, dko, j, N, C, R, NH)
+            _pairs_store(prow + 2 * R * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
+            # (rank * N: each rank's columns; 0 on the first rows, which write the angles)
+            share = part_ptr + (((b * L + t) * H + h) * width + rank * N)[:, None]
             nm = _in_bounds(valid, j, N // 2, NH)
             _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
             # q likewise, and the state's gradient for the chunk before
@@ -903,11 +976,13 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dPhi += _turn_rate(dQe, dQo, Qe, Qo)
             Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
             dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
-            _pairs_store(prow + N + 2 * j, tl.sum(dqe, 0), tl.sum(dqo, 0), pm)
-            _pairs_store(prow + 3 * N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0), pm)
-            _pairs_store(share + N + 2 * j[None, :], dCe, dCo, nm)
+            _bias_store(prow + R * N, dqe, dqo, j, N, C, R, NH)
+            _pairs_store(prow + 2 * R * N + N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0),
+                         pm)
+            _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
             # the phases turn q and k; the last token's phase is also the next chunk's carry.
-            # dv_j = the sum of dPhi_i over i >= j in j's segment (v = theta dt is what they add up)
+            # dv_j = the sum of dPhi over the rows from j's token's first on, in j's segment
+            # (v = theta dt is what they add up)
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
                 dv = _seg_cumsum(dPhi, seg, True)
@@ -915,25 +990,27 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 dv = tl.cumsum(dPhi, 0, reverse=True)
             dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
             dangle = dv * sc.dt[:, None] * _PI * (1.0 - th * th)
-            tl.store(share + 2 * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
-                     mask=valid[:, None] & (j < S)[None, :])
-            # the per-token scalars: log_a = A dt (cs is its running sum), gamma = lam dt,
-            # beta = (1 - lam) dt, theta dt in the phases; w_s = gamma_s + beta_{s+1}, so token s's
-            # beta gradient is dw_{s-1}
+            tl.store(share + 2 * R * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
+                     mask=(valid & first)[:, None] & (j < S)[None, :])
+            # the per-token scalars (right on each token's first row): log_a = A dt (cs is its
+            # running sum), gamma = lam dt, beta = (1 - lam) dt, theta dt in the phases;
+            # w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
             dla = tl.cumsum(dcs, 0, reverse=True)
             # the scalars again (five loads a token): cheaper than holding them through the chunk
-            sc = _scalars(rows, t, valid, s_l, L, h, dt_bias, A_floor, H, G, P, N, ACC)
-            dgamma = dg + dw
-            dbeta = _shift_down(dw, i)
+            sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
+            dgamma = _token_sum(dg + dw, tok, R)
+            dbeta = _shift_down(dw, tok)
             d_dt = dla * sc.A + dgamma * sc.lam + dbeta * (1.0 - sc.lam)
             d_dt += tl.sum(dv * _PI * th, axis=1)
             dlam = (dgamma - dbeta) * sc.dt
             d_dd_A = tl.where(sc.fA >= A_floor, -dla * sc.dt * sc.dfA, 0.0)
-            tl.store(g_rows + col_dt + H + h, d_dd_A.to(dzx_ptr.dtype.element_ty), mask=valid)
+            tl.store(g_rows + col_dt + H + h, d_dd_A.to(dzx_ptr.dtype.element_ty),
+                     mask=valid & first)
             # the next chunk's first token, held back one iteration, now gets its beta term (dw at
             # our last token)
-            dw_last, lam1, dt1 = _last(dw, i, C), _last(sc.lam_n, i, C), _last(sc.dt_n, i, C)
-            t1 = (c + 1) * C
+            dw_last = tl.sum(tl.where(tok == C // R - 1, dw, 0.0), axis=0)
+            lam1, dt1 = _last(sc.lam_n, i, C), _last(sc.dt_n, i, C)
+            t1 = (c + 1) * (C // R)
             d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _last(sc.dsp_n, i, C)
             d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
             ty = dzx_ptr.dtype.element_ty
@@ -943,42 +1020,45 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term
             # before token 0)
             d_dd_dt, d_trap = d_dt * sc.dsp, dlam * sc.lam * (1.0 - sc.lam)
-            done = valid & ((i > 0) | (t < C))  # t < C: chunk 0
+            done = valid & first & ((i > 0) | (t < C // R))  # t < C / R: chunk 0
             tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
             tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
-            tl.store(prow + 4 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)  # d dt_bias
-                     + tl.where(t1 < L, d_dd_dt1, 0.0))
+            tl.store(prow + 2 * R * N + 2 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
+                     + tl.where(t1 < L, d_dd_dt1, 0.0))  # d dt_bias
             pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
 
     @triton.jit
-    def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, H: tl.constexpr, G: tl.constexpr,
+    def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, R, H: tl.constexpr, G: tl.constexpr,
                    P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
                    NB: tl.constexpr, SB: tl.constexpr, ACC: tl.constexpr):
         """dB, dC and dangle, the columns of dzxbcdt that several heads share: the sums of the
-        heads' shares in part (B, L, H, 2N + S) (a group's heads for its B and C, all heads for the
-        angles), in a fixed order so the result is deterministic; grid (B, L / TB)."""
+        heads' shares in part (B, L, H, 2RN + S) (a group's heads for each rank of its B and C, all
+        heads for the angles), in a fixed order so the result is deterministic; grid (B, L / TB)."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * TB + tl.arange(0, TB)
         nn, ss = tl.arange(0, NB), tl.arange(0, SB)
         valid = t < L
         mN, mS = valid[:, None] & (nn < N)[None, :], valid[:, None] & (ss < S)[None, :]
-        width = 2 * N + S
+        width = 2 * R * N + S
         shares = part_ptr + ((b * L + t) * H * width)[:, None]
         g_rows = dzx_ptr + b * sg_b + t[:, None] * sg_l
         col_B = 2 * H * P
-        dangle = tl.zeros((TB, SB), ACC)
+        ty = dzx_ptr.dtype.element_ty
         for g in range(G):
-            dB, dC = tl.zeros((TB, NB), ACC), tl.zeros((TB, NB), ACC)
-            for k in range(H // G):
-                share = shares + (g * (H // G) + k) * width
-                dB += tl.load(share + nn[None, :], mask=mN, other=0.0).to(ACC)
-                dC += tl.load(share + N + nn[None, :], mask=mN, other=0.0).to(ACC)
-                dangle += tl.load(share + 2 * N + ss[None, :], mask=mS, other=0.0).to(ACC)
-            ty = dzx_ptr.dtype.element_ty
-            tl.store(g_rows + col_B + g * N + nn[None, :], dB.to(ty), mask=mN)
-            tl.store(g_rows + col_B + (G + g) * N + nn[None, :], dC.to(ty), mask=mN)
-        col_ang = 2 * H * P + 2 * G * N + 3 * H
-        tl.store(g_rows + col_ang + ss[None, :], dangle.to(dzx_ptr.dtype.element_ty), mask=mS)
+            for r in range(R):
+                dB, dC = tl.zeros((TB, NB), ACC), tl.zeros((TB, NB), ACC)
+                for k in range(H // G):
+                    share = shares + (g * (H // G) + k) * width + r * N
+                    dB += tl.load(share + nn[None, :], mask=mN, other=0.0).to(ACC)
+                    dC += tl.load(share + R * N + nn[None, :], mask=mN, other=0.0).to(ACC)
+                tl.store(g_rows + col_B + (r * G + g) * N + nn[None, :], dB.to(ty), mask=mN)
+                tl.store(g_rows + col_B + ((R + r) * G + g) * N + nn[None, :], dC.to(ty), mask=mN)
+        dangle = tl.zeros((TB, SB), ACC)
+        for k in range(H):
+            dangle += tl.load(shares + k * width + 2 * R * N + ss[None, :], mask=mS,
+                              other=0.0).to(ACC)
+        col_ang = 2 * H * P + 2 * R * G * N + 3 * H
+        tl.store(g_rows + col_ang + ss[None, :], dangle.to(ty), mask=mS)
 
 
 def _pow2(d, least=16):
@@ -986,16 +1066,15 @@ def _pow2(d, least=16):
     return max(least, 1 << (d - 1).bit_length())
 
 
-def _mixer_tiles(chunk_size, P, N, dtype):
-    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the kernels' chunk C, the
-    tiles PP >= P and NH >= N / 2 (q, k and the state are held as their even and odd dims), the dot
-    operand dtype DT (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32
-    takes tf32 products (true float32 ones run on FMA units: the sm_90 backward spilled 19 KB a
-    thread and took minutes to compile) in chunks of at most 32 (at 64 the backward spills 5.0 KB
-    and asks 224 KB of shared memory on sm_90; at 32, 1.9 and 56). Any chunk, the same algebra."""
-    C = min(chunk_size, 32) if dtype == torch.float32 else chunk_size
+def _mixer_tiles(chunk_size, P, N, dtype, R=1):
+    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the chunk C in rows
+    (chunk_size tokens of R ranks), the tiles PP >= P and NH >= N / 2, the dot operand dtype DT
+    (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32 takes tf32
+    products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at 64
+    the sm_90 backward asks 224 KB of shared memory). Any chunk, the same algebra."""
+    C = min(chunk_size * R, 32) if dtype == torch.float32 else chunk_size * R
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    return dict(C=C, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
+    return dict(C=C, R=R, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
@@ -1078,101 +1157,135 @@ def _launchable(x, what):
                            f"{torch_path}")
 
 
-def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size):
-    """(B, L, H, P, G, N, S, C), after checking that zxbcdt and the parameters fit together and the
-    kernels."""
-    H, N = B_bias.shape
+def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=None):
+    """(B, L, H, P, G, N, S, C, R), after checking that zxbcdt and the parameters fit together and
+    the kernels (C: tokens a chunk; R: the MIMO rank, B_bias (H, R, N) for R > 1)."""
+    H, N = B_bias.shape[0], B_bias.shape[-1]
+    R = 1 if mimo is None else mimo[0].shape[1]
     P, G, S, C = headdim, ngroups, n_angles, chunk_size
-    if not isinstance(C, int) or C < 16 or C & (C - 1):
-        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 >= 16 (tl.dot's "
-                         f"minimum), got {C}")
-    width = sum(split_sizes(H, P, G, N, S))
+    if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
+        raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO: mimo=None) "
+                         f"or a power of 2 from 2 to 32 (a chunk's rows are its tokens' ranks); "
+                         f"got {R}: use impl='torch' (MAMBA3_IMPL=torch) for other ranks")
+    bias = (H, N) if mimo is None else (H, R, N)
+    if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
+        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors (H, R, P) = "
+                         f"{(H, R, P)}, got {tuple(B_bias.shape)} and "
+                         f"{[tuple(m.shape) for m in mimo or ()]}")
+    if not isinstance(C, int) or C * R < 16 or C & (C - 1):
+        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
+                         f"mimo_rank >= 16 rows (tl.dot's minimum), got {C} (rank {R})")
+    width = sum(split_sizes(H, P, G, N, S, R))
     if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width:
-        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2GN + 3H + S) = (B, L, {width}) with "
-                         f"L >= 1 for H={H}, P={P}, G={G}, N={N}, S={S}; got {tuple(zxbcdt.shape)}")
+        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2RGN + 3H + S) = (B, L, {width}) "
+                         f"with L >= 1 for H={H}, P={P}, R={R}, G={G}, N={N}, S={S}; got "
+                         f"{tuple(zxbcdt.shape)}")
     if H % G or N % 2 or 2 * S > N:
         raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even "
                          f"and n_angles <= d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
     if zxbcdt.dtype not in _TL_DTYPE:
         raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or "
                          f"float64, got {zxbcdt.dtype}")
-    return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C
+    return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
+
+
+def _chunks(L, tiles):
+    return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
+
+
+def _setup(zxbcdt, B_bias, sizes, mimo, backward):
+    """What a launch needs: the shapes (_mixer_shapes), the tiles, the chunks nc, the accumulator
+    dtype, the launch options, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
+    shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
+    tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
+    options = _launch_options(backward, _major(zxbcdt), tiles)
+    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    mimo = [None if m is None else m.contiguous() for m in mimo]
+    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), options, zx, mimo
 
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
-                   ngroups, n_angles, chunk_size, A_floor, eps):
+                   ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
+                   mimo_o=None):
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
     ones, phase (B*H, nc, S))."""
-    Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
-    nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
-    options = _launch_options(False, _major(zxbcdt), tiles)
-    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, options, zx, mimo = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), False)
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
         _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, out, out.stride(0), out.stride(1),
+                               C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
                                _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
                                N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
     return out, states, phase
 
 
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
-                    states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps):
+                    states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
+                    mimo_x=None, mimo_z=None, mimo_o=None):
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
-    d B_bias, d C_bias, d D); the parameters' per-(b, h, chunk) sums are added up here."""
-    Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
-    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
-    nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
-    options = _launch_options(True, _major(zxbcdt), tiles)
-    zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    d B_bias, d C_bias, d D, d mimo_x, d mimo_z, d mimo_o (empty for SISO)); the parameters'
+    per-(b, h, chunk) sums are added up here."""
+    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, options, zx, lifts = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), True)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    width = 2 * R * N + 2 * N + 2  # of a row of dparam
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
-        part = zx.new_empty(Bsz, L, H, 2 * N + S)
-        dparam = zx.new_empty(Bsz * H, nc, 4 * N + 2, dtype=acc)
+        part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
+        dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
+        dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
         _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, dout, dout.stride(0), dout.stride(1),
-                               _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
-                               part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles, **options)
+                               C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
+                               dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
+                               dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
+                               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
         TB = 32
-        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G,
-                                             P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
+        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, R, H=H,
+                                             G=G, P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
                                              ACC=_TL_DTYPE[acc], num_warps=4)
-    dparam = dparam.view(Bsz, H, nc, 4 * N + 2).sum((0, 2))  # (H, 4N + 2)
-    dB_bias, dC_bias, dB_w, dC_w = dparam[:, :4 * N].view(H, 4, N).unbind(1)
-    grads = (dparam[:, 4 * N], dB_w.sum(0), dC_w.sum(0), dB_bias, dC_bias, dparam[:, 4 * N + 1])
+    dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
+    dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
+    dB_w, dC_w = dparam[:, 2 * R * N:-2].view(H, 2, N).sum(0)
+    grads = (dparam[:, -2], dB_w, dC_w, dB_bias, dC_bias, dparam[:, -1])
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     # copies: a custom op's outputs may not alias each other
-    return (dzx, *(g.to(p.dtype, copy=True) for g, p in zip(grads, params)))
+    grads = [g.to(p.dtype, copy=True) for g, p in zip(grads, params)]
+    if mimo_x is None:
+        return (dzx, *grads, *(zx.new_empty(0) for _ in range(3)))
+    dmimo = dmimo.view(Bsz, H, nc, 3, R, P).sum((0, 2)).unbind(1)  # 3 x (H, R, P)
+    return (dzx, *grads, *(g.to(m.dtype, copy=True) for g, m in zip(dmimo, lifts)))
 
 
 if triton is not None:
     # The fused region as two custom ops (forward, backward) with fake implementations and an
     # autograd formula, so that torch.compile treats the Triton launches as opaque calls with known
-    # output shapes.
+    # output shapes. The mimo vectors come last, None for SISO (whose op then returns empty
+    # tensors for their gradients).
     Tensor = torch.Tensor
+    Mimo = Optional[Tensor]
 
     @torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
     def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
                       C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
                       reset: Optional[Tensor], headdim: int, ngroups: int, n_angles: int,
-                      chunk_size: int, A_floor: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                      chunk_size: int, A_floor: float, eps: float, mimo_x: Mimo = None,
+                      mimo_z: Mimo = None, mimo_o: Mimo = None) -> tuple[Tensor, Tensor, Tensor]:
         return _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
-                              reset, headdim, ngroups, n_angles, chunk_size, A_floor, eps)
+                              reset, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x,
+                              mimo_z, mimo_o)
 
     @_mixer_fwd_op.register_fake
     def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
-          n_angles, chunk_size, A_floor, eps):
+          n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
         Bsz, L, _ = zxbcdt.shape
-        H, N = B_bias.shape
-        tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype)
-        nc = -(-L // tiles["C"])
+        H, N, R = B_bias.shape[0], B_bias.shape[-1], 1 if mimo_x is None else mimo_x.shape[1]
+        tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype, R)
+        nc = _chunks(L, tiles)
         return (zxbcdt.new_empty(Bsz, L, H * headdim),
                 zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
                 zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
@@ -1181,44 +1294,52 @@ if triton is not None:
     def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
                       C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
                       reset: Optional[Tensor], states: Tensor, phase: Tensor, headdim: int,
-                      ngroups: int, n_angles: int, chunk_size: int, A_floor: float,
-                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                      ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
+                      mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                 Tensor, Tensor]:
         return _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias,
                                D, reset, states, phase, headdim, ngroups, n_angles, chunk_size,
-                               A_floor, eps)
+                               A_floor, eps, mimo_x, mimo_z, mimo_o)
 
     @_mixer_bwd_op.register_fake
     def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
-          phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps):
+          phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
+          mimo_o=None):
         params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
         dzx = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
-        return (dzx, *(torch.empty_like(p) for p in params))
+        mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
+                for m in (mimo_x, mimo_z, mimo_o)]
+        return (dzx, *(torch.empty_like(p) for p in params), *mimo)
 
     def _mixer_setup_context(ctx, inputs, output):
         *tensors, reset = inputs[:8]
-        ctx.sizes = inputs[8:]
+        ctx.sizes = inputs[8:14]
         _, states, phase = output
         ctx.mark_non_differentiable(states, phase)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-        ctx.save_for_backward(*tensors, reset, states, phase)
+        ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
 
     def _mixer_grad(ctx, dout, _dstates, _dphase):
-        grads = _mixer_bwd_op(dout, *ctx.saved_tensors, *ctx.sizes)
-        return (*grads, None, None, None, None, None, None, None)
+        saved = ctx.saved_tensors
+        grads = _mixer_bwd_op(dout, *saved[:10], *ctx.sizes, *saved[10:])
+        mimo = [None if m is None else g for m, g in zip(saved[10:], grads[7:])]
+        return (*grads[:7], *[None] * 7, *mimo)
 
     _mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
 
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
-                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None):
+                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
     """mixer_torch's region (without a decoding state) as three Triton launches: _mixer_fwd
-    forward, _mixer_bwd and _sum_heads backward, through the custom op mamba3::mixer_fwd. Returns
-    out (B, L, H*P)."""
+    forward, _mixer_bwd and _sum_heads backward, through the custom op mamba3::mixer_fwd. mimo:
+    None (SISO) or (mimo_x, mimo_z, mimo_o), as for mixer_torch. Returns out (B, L, H*P)."""
     _launchable(zxbcdt, "mixer")
-    _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
+    _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo)
     _check_reset(reset, zxbcdt.shape[0], zxbcdt.shape[1], "mixer")
     return _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
-                         headdim, ngroups, n_angles, chunk_size, float(A_floor), float(eps))[0]
+                         headdim, ngroups, n_angles, chunk_size, float(A_floor), float(eps),
+                         *(mimo or ()))[0]
 
 
 # -----------------------------------------------------------------------------
@@ -1277,16 +1398,12 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     variable MAMBA3_IMPL overrides "auto" (handy to A/B the paths without touching code). The fused
     kernels take no decoding state, so with one (Phi, S, k_prev, x_prev), prefill or a decode step,
     "triton" runs mixer_torch with the chunked scan (exact: a float32 state) and the state after
-    the last token comes back (None without). Where the fused kernels cannot run (a MIMO layer: they
-    are SISO; float64 on a GPU, a GPU older than compute capability 8.0: fused_refusal), "auto" takes
-    the PyTorch path (with a warning for the last two), and "triton" refuses."""
+    the last token comes back (None without). mimo: None (SISO) or (mimo_x, mimo_z, mimo_o) of a
+    MIMO layer, on every path (a rank the kernels cannot take is refused, naming --mimo-rank).
+    Where the fused kernels cannot run (float64 on a GPU, a GPU older than compute capability 8.0:
+    fused_refusal), "auto" takes the PyTorch path with a warning, and "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
-    if mimo is not None and impl == "triton":
-        if asked == "triton":
-            raise ValueError(f"mixer: the fused Triton kernels are SISO only, and this layer has "
-                             f"MIMO rank {mimo[0].shape[1]}; use impl='torch' (MAMBA3_IMPL=torch)")
-        impl = "torch"
     if impl == "triton" and asked is None and fused_refusal(zxbcdt):
         _note_fallback(fused_refusal(zxbcdt))
         impl = "torch"
@@ -1294,7 +1411,7 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
     if impl == "triton" and state is None:
-        return mixer_triton(zxbcdt, *params, **kw), None
+        return mixer_triton(zxbcdt, *params, mimo=mimo, **kw), None
     scan = "torch" if impl == "triton" else impl
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
 

@@ -17,7 +17,6 @@ the parallel forward's logits.
 """
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -245,10 +244,6 @@ class Mamba3LM(nn.Module):
         # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the
         # stream's variance does not grow with depth (two residual writes per block)
         nn.init.normal_(self.embed.weight, std=0.02)
-        if config.mimo_rank > 1 and torch.cuda.is_available() and kernels.triton_available():
-            # said here, once: under torch.compile the layer's own dispatch cannot print
-            warnings.warn(f"mimo_rank {config.mimo_rank}: the fused Triton kernels are SISO only, "
-                          f"so on CUDA this model's layers run the chunked PyTorch path")
         for block in self.blocks:
             for proj in (block.mixer.out_proj, block.mlp.down if block.mlp is not None else None):
                 if proj is not None:

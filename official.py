@@ -297,15 +297,17 @@ def load_model(run_dir, step=None):
 
 
 def check_impl(model):
-    """Refuse a MAMBA3_IMPL that cannot run here (a name kernels.py does not know, triton on a CPU
-    without Triton's interpreter) in one sentence, before a command writes anything: kernels.py
-    reads the variable only when the scan runs, so the scan is run now, on two tokens."""
-    if impl := os.environ.get("MAMBA3_IMPL"):
+    """Refuse what the layers cannot run here in one sentence, before a command writes anything: a
+    MAMBA3_IMPL kernels.py does not know or cannot run (triton on a CPU without Triton's
+    interpreter), or on a GPU a MIMO rank the fused kernels cannot take. kernels.py sees either only
+    when the scan runs, so the model is run now, on two tokens."""
+    impl, device = os.environ.get("MAMBA3_IMPL"), next(model.parameters()).device
+    if impl or (model.config.mimo_rank > 1 and device.type == "cuda"):
         try:
             with torch.no_grad():
-                model(torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+                model(torch.zeros(1, 2, dtype=torch.long, device=device))
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"MAMBA3_IMPL={impl}: {e}") from None
+            raise ValueError(f"MAMBA3_IMPL={impl}: {e}" if impl else str(e)) from None
 
 
 def read_pretrained(path):

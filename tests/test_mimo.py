@@ -234,21 +234,239 @@ def test_flops_per_token_grow_with_the_rank():
         assert flops[R] - flops[1] == (R - 1) * scan + in_proj
 
 
-def test_dispatch_keeps_mimo_off_the_siso_triton_kernels(monkeypatch):
+# --- the fused Triton kernels (through Triton's interpreter on CPU tensors) ---
+
+
+def fused_case(B, L, H, P, G, N, S, C, R, resets, seed=0):
+    """in_proj's output, the region's parameters (mimo vectors away from their init), a reset mask
+    (a chunk's first and last token, two in a row, t = 0, near the end) and the sizes."""
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)  # noqa: E731
+    zx = randn(B, L, sum(kernels.split_sizes(H, P, G, N, S, R)))
+    params = [randn(H) - 2, 1 + 0.3 * randn(N), 1 + 0.3 * randn(N), randn(H, R, N), randn(H, R, N),
+              randn(H)]
+    mimo = [0.5 + torch.rand(H, R, P, generator=g, dtype=F64) for _ in range(3)]
+    reset = None
+    if resets:
+        reset = torch.zeros(B, L, dtype=torch.bool)
+        reset[0, [t for t in (0, C - 1, C, C + 1, L - 2) if t < L]] = True
+    return zx, params + mimo, reset, dict(headdim=P, ngroups=G, n_angles=S, chunk_size=C)
+
+
+def run_region(fn, zx, params, reset, sizes, **kw):
+    """out and the gradients of sum(out * dout) for zxbcdt and every parameter, mimo's included."""
+    leaves = [t.clone().requires_grad_() for t in [zx] + params]
+    out = fn(*leaves[:7], **sizes, reset=reset, mimo=tuple(leaves[7:]), **kw)
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    (out * dout.to(out.dtype)).sum().backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+REGION = ["out", "zxbcdt", "dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D",
+          "mimo_x", "mimo_z", "mimo_o"]
+
+
+def assert_close(got, ref, tol=1e-10):
+    for name, a, r in zip(REGION, got, ref):
+        err = (a - r).abs().max() / r.abs().max()
+        assert a.dtype == r.dtype and a.shape == r.shape and err <= tol, (name, err.item())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B, L, H, P, G, N, S, C, R, resets", [
+    (2, 37, 4, 16, 2, 32, 5, 8, 2, True),  # groups, resets, odd angles, L not a multiple of C
+    (1, 19, 2, 16, 1, 16, 8, 4, 4, True),  # rope_fraction 1.0 (S = N / 2), 4 tokens of 4 rows
+    (2, 13, 2, 12, 1, 20, 5, 16, 2, False),  # one partial chunk; P and N / 2 not powers of 2
+    (1, 1, 2, 16, 1, 16, 4, 8, 2, False),  # a single token
+])
+def test_fused_mimo_matches_the_chunked_torch_path(B, L, H, P, G, N, S, C, R, resets):
+    zx, params, reset, sizes = fused_case(B, L, H, P, G, N, S, C, R, resets)
+    ref = run_region(kernels.mixer_torch, zx, params, reset, sizes)
+    assert_close(run_region(kernels.mixer_triton, zx, params, reset, sizes), ref)
+
+
+@pytest.mark.interpreter
+def test_fused_mimo_matches_the_recurrence():
+    # rope_fraction 0.5 (S = N / 4), two groups, resets, chunks of 8 tokens of 2 rows
+    zx, params, reset, sizes = fused_case(2, 21, 4, 16, 2, 16, 2, 8, 2, True, seed=1)
+    ref = run_region(kernels.mixer_torch, zx, params, reset, sizes, impl="recurrent")
+    assert_close(run_region(kernels.mixer_triton, zx, params, reset, sizes), ref)
+
+
+@pytest.mark.interpreter
+def test_fused_mimo_in_float32_and_bf16():
+    # zxbcdt rounded to the dtype, parameters float32 (as under autocast), against float64 on the
+    # same rounded input: the kernels' own rounding (tf32 products for float32, in chunks of 32
+    # rows: 8 tokens, where bf16 takes the 64 rows of 16 tokens)
+    zx, params, reset, sizes = fused_case(1, 29, 2, 16, 1, 32, 8, 16, 4, True)
+    for dtype, tol in ((torch.float32, 8e-3), (torch.bfloat16, 5e-2)):
+        zx_d = zx.to(dtype)
+        ref = run_region(kernels.mixer_torch, zx_d.double(), params, reset, sizes)
+        got = run_region(kernels.mixer_triton, zx_d, [p.float() for p in params], reset, sizes)
+        for name, a, r in zip(REGION, got, ref):
+            err = (a.double() - r).abs().max() / r.abs().max()
+            assert torch.isfinite(a).all() and err <= tol, (dtype, name, err.item())
+
+
+@pytest.mark.interpreter
+def test_the_model_on_the_fused_path_matches_the_torch_path(monkeypatch):
+    model = tiny(2, reset_token=3)
+    idx = torch.randint(0, 100, (2, 21))
+    idx[0, [5, 8, 9]] = 3
+    runs = {}
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("MAMBA3_IMPL", impl)
+        model.zero_grad()
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        runs[impl] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(runs["torch"], runs["triton"]):
+        assert (a - b).abs().max() <= 1e-10 * max(1.0, b.abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+def test_the_compiled_mimo_model_matches_eager_through_the_custom_op(monkeypatch):
+    # torch.compile(fullgraph=True) traces the fused MIMO region as the opaque op mamba3::mixer_fwd
+    # and its registered backward (true float32 products: tf32's cut operands would show the last
+    # bits compile changes elsewhere)
+    tiles = kernels._mixer_tiles
+    monkeypatch.setattr(kernels, "_mixer_tiles", lambda *a: dict(tiles(*a), PREC="ieee"))
+    monkeypatch.setenv("MAMBA3_IMPL", "triton")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    calls = []
+    forward, backward = kernels._mixer_forward, kernels._mixer_backward
+    monkeypatch.setattr(kernels, "_mixer_forward", lambda *a: calls.append("fwd") or forward(*a))
+    monkeypatch.setattr(kernels, "_mixer_backward", lambda *a: calls.append("bwd") or backward(*a))
+    model = tiny(2, reset_token=3, n_layer=1).float()
+    idx = torch.randint(0, 100, (2, 13))
+    idx[0, 5] = 3
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad()
+        _, loss = fn(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    torch._dynamo.reset()
+    assert calls == ["fwd", "bwd", "fwd", "bwd"]
+    for a, b in zip(*results):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max())
+
+
+@pytest.mark.interpreter
+def test_the_fused_mimo_ops_pass_opcheck():
+    zx, params, reset, sizes = fused_case(1, 11, 2, 16, 1, 16, 4, 8, 2, True)
+    zx, params = zx.float().requires_grad_(), [p.float().requires_grad_() for p in params]
+    sizes = (16, 1, 4, 8, 1e-4, 1e-5)
+    args = (zx, *params[:6], reset, *sizes, *params[6:])
+    torch.library.opcheck(torch.ops.mamba3.mixer_fwd.default, args)
+    out, states, phase = torch.ops.mamba3.mixer_fwd(*args)
+    torch.library.opcheck(torch.ops.mamba3.mixer_bwd.default,
+                          (torch.randn_like(out), zx.detach(), *(p.detach() for p in params[:6]),
+                           reset, states, phase, *sizes, *(p.detach() for p in params[6:])))
+
+
+def test_dispatch_sends_mimo_to_the_fused_kernels(monkeypatch):
     model = tiny(2)
     mixer = model.blocks[0].mixer
     zx = torch.randn(1, 6, sum(mixer.split), dtype=F64)
-    expected = mixer.region(zx, impl="torch")
-    # "auto" that would pick Triton (for a CUDA tensor) takes the torch path
+    calls = []
+    monkeypatch.setattr(kernels, "mixer_triton",
+                        lambda *a, mimo, **kw: calls.append(mimo[0].shape) or zx[..., :128])
+    # "auto" that picks Triton (for a CUDA tensor) takes the fused kernels, mimo vectors and all
     monkeypatch.setattr(kernels, "_resolve",
                         lambda impl, x: "triton" if impl in ("auto", "triton") else impl)
-    assert torch.equal(mixer.region(zx), expected)
-    message = "the fused Triton kernels are SISO only.*MIMO rank 2.*impl='torch'"
-    with pytest.raises(ValueError, match=message):
-        mixer.region(zx, impl="triton")
-    monkeypatch.setenv("MAMBA3_IMPL", "triton")
-    with pytest.raises(ValueError, match=message):
-        mixer.region(zx)
+    mixer.region(zx)
+    mixer.region(zx, impl="triton")
+    assert calls == [(8, 2, 16)] * 2
+    # a decoding state still takes the PyTorch path
+    assert mixer.region(zx, model.init_cache(1)[0], impl="triton").shape == (1, 6, 128)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("R, chunk", [(3, 16), (64, 1)])
+def test_a_rank_the_kernels_cannot_take_is_refused_naming_the_flag(R, chunk):
+    zx, params, _, sizes = fused_case(1, 4, 2, 16, 1, 16, 4, chunk, R, False)
+    with pytest.raises(ValueError, match=r"mimo_rank \(--mimo-rank\) 1 .* or a power of 2 from 2 "
+                                         rf"to 32 .*got {R}: use impl='torch'"):
+        kernels.mixer(zx, *params[:6], **sizes, mimo=tuple(params[6:]), impl="triton")
+    # the PyTorch path takes any rank
+    assert kernels.mixer(zx, *params[:6], **sizes, mimo=tuple(params[6:]))[0].shape == (1, 4, 32)
+
+
+# Compiles the fused kernels for sm_90 at the 440m layer's sizes (H 32, P 64, N 128, S 32) with
+# R = 4 (16 tokens of 4 rows a chunk: 64 rows, as SISO's chunk) in bf16, with and without resets,
+# under the installed Triton, as kernels.py launches them. No GPU needed: Triton lowers to PTX and
+# runs ptxas here. Both kernels use wgmma and fit the 99 KB a block has on sm_86/sm_89.
+COMPILE = r"""
+import contextlib, io, json, re, sys
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels as K
+
+H, P, N, S, C, R, L, G = 32, 64, 128, 32, 16, 4, 2048, 1
+triton.knobs.nvidia.dump_ptxas_log = triton.knobs.compilation.always_compile = True
+tiles = K._mixer_tiles(C, P, N, torch.bfloat16, R)
+W = 2 * H * P + 2 * R * G * N + 3 * H + S
+ints = dict(L=L, nc=L * R // tiles["C"], s_b=L * W, s_l=W, so_b=L * H * P, so_l=H * P,
+            sd_b=L * H * P, sd_l=H * P, sg_b=L * W, sg_l=W)
+fp32 = {"phase_ptr", "dparam_ptr", "dmimo_ptr", "dt_bias_ptr", "Bw_ptr", "Cw_ptr", "Bb_ptr",
+        "Cb_ptr", "D_ptr", "mx_ptr", "mz_ptr", "mo_ptr"}
+for reset in (False, True):
+    for fn in (K._mixer_fwd, K._mixer_bwd):
+        sig, attrs = {}, {}
+        for i, p in enumerate(fn.params):
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+                continue
+            if p.name == "states":
+                sig[p.name] = f"tensordesc<bf16[{tiles['PP']}, {tiles['NH']}]>"
+            elif p.name.endswith("_ptr"):
+                ty = "*fp32" if p.name in fp32 else "*bf16"
+                sig[p.name] = "*u8" if p.name == "reset_ptr" else ty
+            else:
+                sig[p.name] = "fp32" if p.name in ("A_floor", "eps") else "i32"
+            if p.name.endswith("_ptr") or ints.get(p.name, 1) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        constexprs = dict(tiles, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset)
+        options = K._launch_options(fn is K._mixer_bwd, 9, tiles)
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                              attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32), options=options)
+        spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
+        print(json.dumps(dict(kernel=fn.__name__, reset=reset, spills=int(spills[1]),
+                              shared=kernel.metadata.shared, wgmma="wgmma" in kernel.asm["ptx"])))
+"""
+# the most spill bytes a thread each may have: today's figures (Triton 3.9) with a little room
+SPILLS = {"_mixer_fwd": 256, "_mixer_bwd": 5632}
+
+
+@pytest.mark.slow
+def test_the_fused_mimo_kernels_compile_for_sm90():
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton build has no NVIDIA backend to compile with")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["kernel"], r["reset"]) for r in rows] == [
+        (k, reset) for reset in (False, True) for k in ("_mixer_fwd", "_mixer_bwd")]
+    for r in rows:
+        assert r["wgmma"] and r["shared"] <= 99 * 1024, r
+        assert r["spills"] <= SPILLS[r["kernel"]], r
 
 
 # --- formats: checkpoints, the official export and --init-from ---

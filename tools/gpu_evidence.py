@@ -55,13 +55,15 @@ Official = typer.Option(None, exists=True, file_okay=False,
                         help="A checkout of state-spaces/mamba: its Mamba-3 SISO layer's kernels too.")
 
 
-def layer_config(heads: int, ngroups: int = 1):
+def layer_config(heads: int, ngroups: int = 1, mimo_rank: int = 1):
     """The 440m preset's mixer with `heads` heads and `ngroups` groups (d_model follows; P, N, C and
     the angles unchanged). The in_proj row, every kernel's token stride, is a multiple of 16
     elements exactly when heads is, as at 440m's 32: the JIT specializes on that, so 16 heads
-    compile the same, and 24 (the 180m preset's) without that specialization."""
+    compile the same, and 24 (the 180m preset's) without that specialization. With mimo_rank R,
+    a chunk keeps its 64 rows: 64 / R tokens."""
     cfg = PRESETS["440m"]
-    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand, ngroups=ngroups)
+    return dataclasses.replace(cfg, d_model=heads * cfg.headdim // cfg.expand, ngroups=ngroups,
+                               mimo_rank=mimo_rank)
 
 
 @contextlib.contextmanager
@@ -254,7 +256,8 @@ def traffic(
     headdim: int = typer.Option(64, min=1, help="P"),
     d_state: int = typer.Option(128, min=2, help="N"),
     ngroups: int = typer.Option(1, min=1, help="G"),
-    chunk_size: int = typer.Option(64, min=16, help="C"),
+    chunk_size: int = typer.Option(64, min=16, help="C, in rows (C / R tokens)"),
+    mimo_rank: int = typer.Option(1, "--mimo-rank", min=1, help="R (MIMO)"),
     dtype: DType = typer.Option("bf16", help="in_proj's output dtype."),
     official: Optional[Path] = Official,
 ):
@@ -274,19 +277,22 @@ def traffic(
             raise ValueError("traffic counts through Triton's interpreter: run it as python "
                              "tools/gpu_evidence.py traffic, or with TRITON_INTERPRET=1")
     cfg = ModelConfig(d_model=heads * headdim // 2, headdim=headdim, d_state=d_state,
-                      ngroups=ngroups, chunk_size=chunk_size, n_layer=1, vocab_size=256)
+                      ngroups=ngroups, chunk_size=chunk_size, n_layer=1, vocab_size=256,
+                      mimo_rank=mimo_rank)
     torch.manual_seed(0)
     mixer = Mamba3Mixer(cfg)
     mixer.in_proj, mixer.out_proj = torch.nn.Identity(), torch.nn.Identity()  # the region alone
-    params = list(mixer.parameters())
+    names = ["dt_bias", "B_norm_weight", "C_norm_weight", "B_bias", "C_bias", "D"]
+    params = [getattr(mixer, n) for n in names + ["mimo_x", "mimo_z", "mimo_o"] * (mimo_rank > 1)]
     B, L = batch_size, seq_len
     zx = (torch.randn(B, L, sum(mixer.split)) * 0.5).to(TORCH_DTYPE[dtype]).requires_grad_()
     dout = torch.randn(B, L, cfg.d_inner).to(zx.dtype)
-    kw = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=chunk_size,
-              A_floor=cfg.A_floor, eps=cfg.norm_eps)
+    kw = dict(headdim=headdim, ngroups=ngroups, n_angles=cfg.n_angles, chunk_size=cfg.chunk_tokens,
+              A_floor=cfg.A_floor, eps=cfg.norm_eps, mimo=tuple(params[6:]) or None)
     fused, glue = "fused (kernels.mixer_triton)", "eager PyTorch (kernels.mixer_torch)"
-    counts = {fused: count_region(lambda: K.mixer_triton(zx, *params, **kw), [zx] + params, dout),
-              glue: count_region(lambda: K.mixer_torch(zx, *params, **kw, impl="torch")[0],
+    counts = {fused: count_region(lambda: K.mixer_triton(zx, *params[:6], **kw), [zx] + params,
+                                  dout),
+              glue: count_region(lambda: K.mixer_torch(zx, *params[:6], **kw, impl="torch")[0],
                                  [zx] + params, dout)}
     if official:
         with cli_errors(ValueError, ImportError):
@@ -305,7 +311,8 @@ def traffic(
         rows.append([name, f"{fwd.total() / 1e6:.3f}", f"{bwd.total() / 1e6:.3f}", f"{total / 1e6:.3f}",
                      f"{total / sum(minimum):.2f}x", f"{fwd.count('triton')}/{bwd.count('triton')}",
                      f"{fwd.count('eager')}/{bwd.count('eager')}"])
-    shape = f"B{B} L{L} H{heads} P{headdim} N{d_state} G{ngroups} S{cfg.n_angles} C{chunk_size}"
+    shape = (f"B{B} L{L} H{heads} P{headdim} N{d_state} G{ngroups} S{cfg.n_angles} C{chunk_size}"
+             + (f" R{mimo_rank}" if mimo_rank > 1 else ""))
     print_table(f"mixer region traffic, MB ({shape} {dtype}; in_proj and out_proj excluded)",
                 ["path", "fwd MB", "bwd MB", "total MB", "vs minimum", "launches fwd/bwd",
                  "eager ops fwd/bwd"], rows)
@@ -387,13 +394,13 @@ def recording_launches():
 
 
 def capture_launches(batch_size=1, seq_len=128, heads=32, dtype="bf16", resets=False,
-                     ngroups=1) -> list:
+                     ngroups=1, mimo_rank=1) -> list:
     """Every distinct Triton kernel launch of one mixer layer (layer_config(heads, ngroups)),
     forward and backward, on the Triton path under autocast to dtype (none for fp32), as train.py
     runs it; with resets, documents start every 50 tokens (as train.py --reset-at-eos marks them).
     Each launch is labelled with its config ("bf16", "bf16+resets", ...)."""
     torch.manual_seed(0)
-    cfg = layer_config(heads, ngroups)
+    cfg = layer_config(heads, ngroups, mimo_rank)
     mixer = Mamba3Mixer(cfg)
     u = torch.randn(batch_size, seq_len, cfg.d_model, requires_grad=True)
     reset = None
@@ -405,7 +412,7 @@ def capture_launches(batch_size=1, seq_len=128, heads=32, dtype="bf16", resets=F
         with torch.autocast("cpu", dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
             y = mixer(u, reset=reset)
         y.backward(torch.randn_like(y))
-    config = dtype + ("+resets" if resets else "")
+    config = dtype + ("+resets" if resets else "") + (f" R={mimo_rank}" if mimo_rank > 1 else "")
     return [dict(launch, config=config) for launch in launches]
 
 
@@ -634,6 +641,8 @@ def compile_(
     heads: int = typer.Option(32, min=1, help="H of that run (the 440m layer has 32, the 180m one "
                               "24; P, N and C are always 440m's)."),
     ngroups: int = typer.Option(1, min=1, help="G of that run (it must divide H)."),
+    mimo_rank: int = typer.Option(1, "--mimo-rank", min=1, help="R of that run (MIMO; a chunk "
+                                  "keeps 64 rows, 64 / R tokens)."),
     dtype: List[DTypes] = typer.Option(["bf16"], help="Autocast dtype of that run, as train.py "
                                       "--dtype (fp32: none); repeat for several."),
     resets: bool = typer.Option(False, "--resets", help="Each --dtype also with resets (documents "
@@ -671,7 +680,7 @@ def compile_(
     t0 = time.perf_counter()
     launches = [launch for d in dict.fromkeys(d.value for d in dtype) for r in ([False, True] if resets else [False])
                 for launch in run_isolated("capture_launches", True, dtype=d, resets=r,
-                                           ngroups=ngroups, **run)]
+                                           ngroups=ngroups, mimo_rank=mimo_rank, **run)]
     # a launch that two configs share (the same arguments: _sum_heads with and without resets) is
     # one binary, compiled once under the first config's name
     unique = {}
@@ -685,8 +694,9 @@ def compile_(
         rows += run_isolated("compile_launches", False, triton_path=path, launches=launches,
                              archs=archs)
     t2 = time.perf_counter()
-    cfg = layer_config(heads, ngroups)
-    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} G{ngroups}, "
+    cfg = layer_config(heads, ngroups, mimo_rank)
+    print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} G{ngroups} "
+                f"R{mimo_rank}, "
                 f"chunk {cfg.chunk_size}; launches captured at B{batch_size} L{seq_len} H{heads}), "
                 "compiled offline", ["triton", "config", "kernel", "arch", "warps / stages / maxnreg",
                                      "registers", "spill st / ld bytes", "shared KiB", "wgmma",
