@@ -1017,6 +1017,50 @@ def _launch_options(backward, major, tiles):
     return options
 
 
+# What each kernel's tuner times besides _launch_options' choice (its first config, and the only one
+# under the interpreter), by kernel and compute capability major: launch options that leave every
+# result bit as it is. Stages change when loads are issued and a register cap where values live,
+# never the arithmetic; warps would change how tl.sum and tl.cumsum split their operands, so the
+# mixer kernels keep theirs (_sum_heads adds its heads' shares one at a time, in every layout).
+# Kept: what spills at most a quarter more than the default and fits shared memory on every GPU of
+# that major under Triton 3.6 to 3.9 (python tools/gpu_evidence.py compile --candidates).
+_TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
+         ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
+         ("_sum_heads", 9): [{"num_warps": 8}, {"num_stages": 1}]}
+
+
+def _launch_configs(kernel, major, tiles):
+    """The launch options kernel's tuner times on a GPU of compute capability major.x, the default
+    first (the interpreter's, major 0: it takes that one alone)."""
+    base = ({"num_warps": 4, "num_stages": 3} if kernel == "_sum_heads" else
+            _launch_options(kernel == "_mixer_bwd", major, tiles))
+    return [base] + [base | extra for extra in _TUNE.get((kernel, major), [])]
+
+
+_TUNED = {}  # (kernel, device, constexprs) -> the launch options that ran it fastest there
+
+
+def _time(launch):
+    try:
+        return triton.testing.do_bench(launch)  # milliseconds, the mean of ~100 ms of runs
+    except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU gives a block
+        return math.inf
+
+
+def _tuned(kernel, grid, configs):
+    """kernel[grid] as a function of its arguments that launches it in the fastest of configs,
+    timed at the first launch of each shape (the constexprs) on each device, on that launch's own
+    arguments; the first config when there is one. The kernels only store to their outputs (no
+    atomics, nothing accumulated into them), so the timing runs leave what one run leaves."""
+    def launch(*args, **constexprs):
+        key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
+        if len(configs) > 1 and key not in _TUNED:
+            _TUNED[key] = min(configs, key=lambda options: _time(
+                lambda: kernel[grid](*args, **constexprs, **options)))
+        kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
+    return launch
+
+
 # The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
 # 3.9 and sm_80 to sm_90 (python tools/gpu_evidence.py compile; the forward asks less): float32
 # needs 88 under Triton 3.9 but 112 under 3.6 and 160 under 3.7, more than sm_86 and sm_89 give
@@ -1106,17 +1150,16 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
     nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
-    options = _launch_options(False, _major(zxbcdt), tiles)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, out, out.stride(0), out.stride(1),
-                               _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
-                               N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
+        fwd = _tuned(_mixer_fwd, (Bsz * H,), _launch_configs("_mixer_fwd", _major(zx), tiles))
+        fwd(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
+            C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, out, out.stride(0),
+            out.stride(1), _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N,
+            S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
@@ -1127,23 +1170,23 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     Bsz, L, H, P, G, N, S, C = _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size)
     tiles = _mixer_tiles(C, P, N, zxbcdt.dtype)
     nc, acc = -(-L // tiles["C"]), _compute_dtype(zxbcdt)
-    options = _launch_options(True, _major(zxbcdt), tiles)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
         part = zx.new_empty(Bsz, L, H, 2 * N + S)
         dparam = zx.new_empty(Bsz * H, nc, 4 * N + 2, dtype=acc)
-        _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, dout, dout.stride(0), dout.stride(1),
-                               _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1),
-                               part, dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S,
-                               HAS_RESET=reset is not None, **tiles, **options)
+        bwd = _tuned(_mixer_bwd, (Bsz * H,), _launch_configs("_mixer_bwd", _major(zx), tiles))
+        bwd(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
+            C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
+            dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1), part,
+            dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset is not None,
+            **tiles)
         TB = 32
-        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G,
-                                             P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
-                                             ACC=_TL_DTYPE[acc], num_warps=4)
+        sum_heads = _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)),
+                           _launch_configs("_sum_heads", _major(zx), tiles))
+        sum_heads(part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S, TB=TB,
+                  NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
     dparam = dparam.view(Bsz, H, nc, 4 * N + 2).sum((0, 2))  # (H, 4N + 2)
     dB_bias, dC_bias, dB_w, dC_w = dparam[:, :4 * N].view(H, 4, N).unbind(1)
     grads = (dparam[:, 4 * N], dB_w.sum(0), dC_w.sum(0), dB_bias, dC_bias, dparam[:, 4 * N + 1])
