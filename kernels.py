@@ -1003,9 +1003,8 @@ def _launch_options(backward, major, tiles):
     """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
     compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
     KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
-    kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the next chunks'
-    loads from holding registers (with one program per SM, prefetching cost more spills than it
-    hid latency). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
+    kernels: 8 warps spread the tiles over 256 threads; num_stages=1 issues no loads for the next
+    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
     stack, is capped at 255 (float32 on sm_80: 7.8 KB of spills a thread against 43 under Triton
     3.6); at 64-token chunks also 4 warps, since Triton lays out every product with all warps along
     its rows (16 rows a warp: at 8 warps a 64-row tile is held twice): 9.8 KB against 10.4 (Triton
