@@ -1004,11 +1004,12 @@ def _launch_options(backward, major, tiles):
     compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
     KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
     kernels: 8 warps spread the tiles over 256 threads; num_stages=1 issues no loads for the next
-    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
-    stack, is capped at 255 (float32 on sm_80: 7.8 KB of spills a thread against 43 under Triton
-    3.6); at 64-token chunks also 4 warps, since Triton lays out every product with all warps along
-    its rows (16 rows a warp: at 8 warps a 64-row tile is held twice): 9.8 KB against 10.4 (Triton
-    3.9). Not on sm_90 (the cap: 3.0 KB against 2.8). Figures: tools/gpu_evidence.py compile."""
+    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas
+    alone gives it 32 to 128 registers and a large stack, is capped at 255 (float32 on sm_80: 7.8
+    KB of spills a thread against 43 under Triton 3.6); at 64-token chunks also 4 warps, since
+    Triton lays out every product with all warps along its rows (16 rows a warp: at 8 warps a
+    64-row tile is held twice): 9.8 KB against 10.4 (Triton 3.9). Not on sm_90 (the cap: 3.0 KB
+    against 2.8). Figures: tools/gpu_evidence.py compile."""
     C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
     options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
     if backward and major == 8 and options["num_warps"] == 8:
@@ -1019,11 +1020,13 @@ def _launch_options(backward, major, tiles):
 # What each kernel's tuner times besides _launch_options' choice (its first config, and the only one
 # under the interpreter), by kernel and compute capability major: launch options that leave every
 # result bit as it is. Stages change when loads are issued and a register cap where values live,
-# never the arithmetic; warps would change how tl.sum and tl.cumsum split their operands, so the
-# mixer kernels keep theirs (_sum_heads adds its heads' shares one at a time, in every layout).
-# Kept: what spills at most a quarter more than the default and fits shared memory on every GPU of
-# that major under Triton 3.6 to 3.9 (python tools/gpu_evidence.py compile --candidates).
+# never the arithmetic; warps may change how tl.sum and tl.cumsum split their operands, so the mixer
+# kernels keep theirs (_sum_heads adds its heads' shares one at a time in any layout). Kept, of the
+# candidates that fit (no more than a quarter more spills, shared memory within every GPU of that
+# major, under Triton 3.6 to 3.9: python tools/gpu_evidence.py compile --configs candidates), one
+# or two a kernel: each costs a compile at the first launch of a shape (the backward's: minutes).
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
+         ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
          ("_sum_heads", 9): [{"num_warps": 8}, {"num_stages": 1}]}
 
@@ -1046,12 +1049,13 @@ def _time(launch):
         return math.inf
 
 
-def _tuned(kernel, grid, configs):
-    """kernel[grid] as a function of its arguments that launches it in the fastest of configs,
-    timed at the first launch of each shape (the constexprs) on each device, on that launch's own
-    arguments; the first config when there is one. The kernels only store to their outputs (no
+def _tuned(kernel, grid):
+    """kernel[grid] as a function of its arguments that launches it in the fastest of its configs
+    (_launch_configs) on args[0]'s device, timed at the first launch of each shape (the constexprs)
+    on each device, on that launch's own arguments. The kernels only store to their outputs (no
     atomics, nothing accumulated into them), so the timing runs leave what one run leaves."""
     def launch(*args, **constexprs):
+        configs = _launch_configs(kernel.fn.__name__, _major(args[0]), constexprs)
         key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
         if len(configs) > 1 and key not in _TUNED:
             _TUNED[key] = min(configs, key=lambda options: _time(
@@ -1154,11 +1158,11 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        fwd = _tuned(_mixer_fwd, (Bsz * H,), _launch_configs("_mixer_fwd", _major(zx), tiles))
-        fwd(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
-            C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, out, out.stride(0),
-            out.stride(1), _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P, N=N,
-            S=S, HAS_RESET=reset is not None, **tiles)
+        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset),
+                                       dt_bias, B_norm_weight, C_norm_weight, B_bias.contiguous(),
+                                       C_bias.contiguous(), D, out, out.stride(0), out.stride(1),
+                                       _halves(states, tiles), phase, L, nc, A_floor, eps, H=H,
+                                       G=G, P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
@@ -1175,17 +1179,18 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         dzx = torch.empty_like(zx, memory_format=torch.contiguous_format)
         part = zx.new_empty(Bsz, L, H, 2 * N + S)
         dparam = zx.new_empty(Bsz * H, nc, 4 * N + 2, dtype=acc)
-        bwd = _tuned(_mixer_bwd, (Bsz * H,), _launch_configs("_mixer_bwd", _major(zx), tiles))
-        bwd(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias, B_norm_weight,
-            C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, dout, dout.stride(0),
-            dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0), dzx.stride(1), part,
-            dparam, L, nc, A_floor, eps, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset is not None,
-            **tiles)
+        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset),
+                                       dt_bias, B_norm_weight, C_norm_weight, B_bias.contiguous(),
+                                       C_bias.contiguous(), D, dout, dout.stride(0),
+                                       dout.stride(1), _halves(states, tiles), phase, dzx,
+                                       dzx.stride(0), dzx.stride(1), part, dparam, L, nc, A_floor,
+                                       eps, H=H, G=G, P=P, N=N, S=S,
+                                       HAS_RESET=reset is not None, **tiles)
         TB = 32
-        sum_heads = _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)),
-                           _launch_configs("_sum_heads", _major(zx), tiles))
-        sum_heads(part, dzx, dzx.stride(0), dzx.stride(1), L, H=H, G=G, P=P, N=N, S=S, TB=TB,
-                  NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
+                                                      H=H, G=G, P=P, N=N, S=S, TB=TB,
+                                                      NB=_pow2(N), SB=_pow2(S),
+                                                      ACC=_TL_DTYPE[acc])
     dparam = dparam.view(Bsz, H, nc, 4 * N + 2).sum((0, 2))  # (H, 4N + 2)
     dB_bias, dC_bias, dB_w, dC_w = dparam[:, :4 * N].view(H, 4, N).unbind(1)
     grads = (dparam[:, 4 * N], dB_w.sum(0), dC_w.sum(0), dB_bias, dC_bias, dparam[:, 4 * N + 1])

@@ -503,7 +503,7 @@ def launch_configs(kernel: str, major: int, constexprs: dict, configs: str) -> l
     if kernel not in CANDIDATES:
         return []
     default, *tuned = K._launch_configs(kernel, major, constexprs)
-    out = [("default", default)] + [("tuned", o) for o in tuned] * (configs != "default")
+    out = [("default", default)] + ([("tuned", o) for o in tuned] if configs != "default" else [])
     if configs == "candidates":
         out += [("candidate", default | extra) for extra in CANDIDATES[kernel]]
     unique = {}
