@@ -1024,7 +1024,7 @@ def _launch_options(backward, major, tiles):
 # kernels keep theirs (_sum_heads adds its heads' shares one at a time in any layout). Kept, of the
 # candidates that fit (no more than a quarter more spills, shared memory within every GPU of that
 # major, under Triton 3.6 to 3.9: python tools/gpu_evidence.py compile --configs candidates), one
-# or two a kernel: each costs a compile at the first launch of a shape (the backward's: minutes).
+# or two a kernel: each costs a compile at the first launch of a shape (the backward's: a minute).
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],

@@ -24,7 +24,7 @@ def invoke(*args):
 
 
 @pytest.mark.parametrize("args", [["compile", "--arch", "sm_70"], ["compile", "--dtype", "bfloat16"],
-                                  ["traffic", "--dtype", "float32"]])
+                                  ["compile", "--configs", "all"], ["traffic", "--dtype", "float32"]])
 def test_bad_choices_exit_2(args):
     assert invoke(*args).exit_code == 2
 
