@@ -332,8 +332,8 @@ def test_clear_errors_without_triton_or_interpreter(monkeypatch):
 
 # Compiles the kernels for sm_90 as kernels.py launches them, one configuration at a time: bf16 at the 440m layer's
 # sizes (H 32, P 64, N 128, C 64); bf16 with resets, two groups and the 180m preset's 24 heads (an in_proj row of
-# 3,688 elements, not a multiple of 16, so no stride specialization); float32 (tf32 products, chunks of 32). No GPU
-# is needed: Triton lowers to PTX and runs ptxas on the CPU. It catches what the interpreter lets through
+# 3,688 elements, not a multiple of 16, so no stride specialization); float32 (tf32 products, chunks of 32); bf16
+# and _sum_heads also in every other launch config the tuner times on sm_90 (kernels._TUNE). No GPU is needed: Triton lowers to PTX and runs ptxas on the CPU. It catches what the interpreter lets through
 # (loop-carried dtype changes, non-constexpr shapes, ops a GPU lacks); the kernels with matmuls must use wgmma, and
 # their spills and shared memory stay within the offline figures. Integer arguments and pointers are specialised
 # as at launch time (multiples of 16 are marked so, which lets loads vectorise).
