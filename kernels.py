@@ -1082,18 +1082,65 @@ def _launch_options(backward, major, tiles):
     """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
     compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
     KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
-    kernels: 8 warps spread the tiles over 256 threads, and num_stages=1 keeps the next chunks'
-    loads from holding registers (with one program per SM, prefetching cost more spills than it
-    hid latency). The backward on sm_8x, where ptxas alone gives it 32 to 128 registers and a large
-    stack, is capped at 255 (float32 on sm_80: 7.8 KB of spills a thread against 43 under Triton
-    3.6); at 64-token chunks also 4 warps, since Triton lays out every product with all warps along
-    its rows (16 rows a warp: at 8 warps a 64-row tile is held twice): 9.8 KB against 10.4 (Triton
-    3.9). Not on sm_90 (the cap: 3.0 KB against 2.8). Figures: tools/gpu_evidence.py compile."""
+    kernels: 8 warps spread the tiles over 256 threads; num_stages=1 issues no loads for the next
+    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas
+    alone gives it 32 to 128 registers and a large stack, is capped at 255 (float32 on sm_80: 7.8
+    KB of spills a thread against 43 under Triton 3.6); at 64-token chunks also 4 warps, since
+    Triton lays out every product with all warps along its rows (16 rows a warp: at 8 warps a
+    64-row tile is held twice): 9.8 KB against 10.4 (Triton 3.9). Not on sm_90 (the cap: 3.0 KB
+    against 2.8). Figures: tools/gpu_evidence.py compile."""
     C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
     options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
     if backward and major == 8 and options["num_warps"] == 8:
         options |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
     return options
+
+
+# What each kernel's tuner times besides _launch_options' choice (its first config, and the only one
+# under the interpreter), by kernel and compute capability major: launch options that leave every
+# result bit as it is. Stages change when loads are issued and a register cap where values live,
+# never the arithmetic; warps may change how tl.sum and tl.cumsum split their operands, so the mixer
+# kernels keep theirs (_sum_heads adds its heads' shares one at a time in any layout). Kept, of the
+# candidates that fit (no more than a quarter more spills, shared memory within every GPU of that
+# major, under Triton 3.6 to 3.9: python tools/gpu_evidence.py compile --configs candidates), one
+# or two a kernel: each costs a compile at the first launch of a shape (the backward's: a minute).
+_TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
+         ("_mixer_bwd", 8): [{"num_stages": 2}],
+         ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
+         ("_sum_heads", 9): [{"num_warps": 8}, {"num_stages": 1}]}
+
+
+def _launch_configs(kernel, major, tiles):
+    """The launch options kernel's tuner times on a GPU of compute capability major.x, the default
+    first (the interpreter's, major 0: it takes that one alone)."""
+    base = ({"num_warps": 4, "num_stages": 3} if kernel == "_sum_heads" else
+            _launch_options(kernel == "_mixer_bwd", major, tiles))
+    return [base] + [base | extra for extra in _TUNE.get((kernel, major), [])]
+
+
+_TUNED = {}  # (kernel, device, constexprs) -> the launch options that ran it fastest there
+
+
+def _time(launch):
+    try:
+        return triton.testing.do_bench(launch)  # milliseconds, the mean of ~100 ms of runs
+    except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU gives a block
+        return math.inf
+
+
+def _tuned(kernel, grid):
+    """kernel[grid] as a function of its arguments that launches it in the fastest of its configs
+    (_launch_configs) on args[0]'s device, timed at the first launch of each shape (the constexprs)
+    on each device, on that launch's own arguments. The kernels only store to their outputs (no
+    atomics, nothing accumulated into them), so the timing runs leave what one run leaves."""
+    def launch(*args, **constexprs):
+        configs = _launch_configs(kernel.fn.__name__, _major(args[0]), constexprs)
+        key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
+        if len(configs) > 1 and key not in _TUNED:
+            _TUNED[key] = min(configs, key=lambda options: _time(
+                lambda: kernel[grid](*args, **constexprs, **options)))
+        kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
+    return launch
 
 
 # The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
@@ -1193,15 +1240,14 @@ def _chunks(L, tiles):
     return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
 
 
-def _setup(zxbcdt, B_bias, sizes, mimo, backward):
+def _setup(zxbcdt, B_bias, sizes, mimo):
     """What a launch needs: the shapes (_mixer_shapes), the tiles, the chunks nc, the accumulator
-    dtype, the launch options, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
+    dtype, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
-    options = _launch_options(backward, _major(zxbcdt), tiles)
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
-    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), options, zx, mimo
+    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo
 
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
@@ -1209,17 +1255,17 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
                    mimo_o=None):
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
     ones, phase (B*H, nc, S))."""
-    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, options, zx, mimo = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), False)
+    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _mixer_fwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
                                _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
-                               N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
+                               N=N, S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
@@ -1229,8 +1275,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
     d B_bias, d C_bias, d D, d mimo_x, d mimo_z, d mimo_o (empty for SISO)); the parameters'
     per-(b, h, chunk) sums are added up here."""
-    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, options, zx, lifts = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), True)
+    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     width = 2 * R * N + 2 * N + 2  # of a row of dparam
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
@@ -1238,16 +1284,16 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
         dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
-        _mixer_bwd[(Bsz * H,)](zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
                                dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
-                               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles, **options)
+                               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
         TB = 32
-        _sum_heads[(Bsz, triton.cdiv(L, TB))](part, dzx, dzx.stride(0), dzx.stride(1), L, R, H=H,
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L, R, H=H,
                                              G=G, P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
-                                             ACC=_TL_DTYPE[acc], num_warps=4)
+                                             ACC=_TL_DTYPE[acc])
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
     dB_w, dC_w = dparam[:, 2 * R * N:-2].view(H, 2, N).sum(0)

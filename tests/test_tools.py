@@ -24,7 +24,7 @@ def invoke(*args):
 
 
 @pytest.mark.parametrize("args", [["compile", "--arch", "sm_70"], ["compile", "--dtype", "bfloat16"],
-                                  ["traffic", "--dtype", "float32"]])
+                                  ["compile", "--configs", "all"], ["traffic", "--dtype", "float32"]])
 def test_bad_choices_exit_2(args):
     assert invoke(*args).exit_code == 2
 
@@ -63,6 +63,38 @@ def test_recording_describes_launches_as_the_jit_specializes_them():
                          "args": [{"tensor": "float32", "aligned": True}, {"tensor": "bfloat16", "aligned": False},
                                   17, 2.0],
                          "kwargs": {"BLOCK": 16, "DT": {"tl": "bf16"}, "num_warps": 2}}]
+
+
+def test_compile_configs_are_kernels_pys_and_the_candidates_once_each():
+    import kernels as K
+
+    tiles = K._mixer_tiles(64, 64, 128, torch.bfloat16)
+    default, *tuned = K._launch_configs("_mixer_bwd", 8, tiles)
+    assert G.launch_configs("_mixer_bwd", 8, tiles, "default") == [("default", default)]
+    assert G.launch_configs("_mixer_bwd", 8, tiles, "tuned") == [("default", default)] + [("tuned", o) for o in tuned]
+    # the sm_8x backward's default has maxnreg 255 already: that candidate is the default itself
+    candidates = G.launch_configs("_mixer_bwd", 8, tiles, "candidates")
+    assert default["maxnreg"] == 255 and len({str(o) for _, o in candidates}) == len(candidates)
+    assert [o for name, o in candidates if name == "candidate"] == [
+        default | extra for extra in G.CANDIDATES["_mixer_bwd"] if default | extra not in [default, *tuned]]
+    assert G.launch_configs("mamba3_siso_fwd_kernel", 9, tiles, "candidates") == []  # not ours
+
+
+def test_a_config_fits_by_its_spills_and_shared_memory_and_the_table_checks_kernels_py(monkeypatch):
+    monkeypatch.setattr(G.K, "_TUNE", {("_mixer_bwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 8): [{"num_stages": 2}]})
+    row = lambda tune, options, spills, shared, arch=90, launch=0: dict(  # noqa: E731
+        kernel="_mixer_bwd", triton="3.9.0", launch=launch, arch=arch, tune=tune, options=options,
+        spill_stores=spills, shared=shared * 1024)
+    default = {"num_warps": 8, "num_stages": 1}
+    rows = [row("default", default, 2812, 72), row("candidate", default | {"num_stages": 2}, 2592, 82),
+            row("candidate", default | {"maxnreg": 255}, 3600, 72),  # 28% more spills
+            row("default", default, 100, 80, arch=89, launch=1),
+            row("candidate", default | {"num_stages": 2}, 100, 100, arch=89, launch=1)]  # sm_89: 99 KiB
+    assert G.fits(rows[1], rows[0]) and not G.fits(rows[2], rows[0]) and not G.fits(rows[4], rows[3])
+    table = {(r[0], r[1], r[2]): r[3:] for r in G.tune_table(rows)}
+    assert table["_mixer_bwd", "9.x", '{"num_stages": 2}'] == [1, "2592 (2812)", "82 (72)", "yes", "yes"]
+    assert table["_mixer_bwd", "9.x", '{"maxnreg": 255}'] == [1, "3600 (2812)", "72 (72)", "no", "no"]
+    assert table["_mixer_bwd", "8.x", '{"num_stages": 2}'][-2:] == ["no", "[red]yes[/red]"]  # disagree
 
 
 @pytest.mark.slow

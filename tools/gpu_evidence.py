@@ -3,6 +3,7 @@
     python tools/gpu_evidence.py compile   # each Triton kernel of a layer, compiled for sm_80, sm_90
     python tools/gpu_evidence.py compile --arch sm_80 --arch sm_89 --arch sm_90 --dtype bf16 \
         --dtype fp32 --resets --triton-path /tmp/triton36   # every config, under two Tritons
+    python tools/gpu_evidence.py compile --configs candidates  # the launch configs kernels.py tunes
     python tools/gpu_evidence.py traffic   # the bytes the fused mixer region moves, vs the minimum
 
 With --official DIR (a checkout of state-spaces/mamba), the official Mamba-3 kernels are shown
@@ -495,12 +496,37 @@ def compile_one(launch: dict, arch: int) -> tuple:
                              seconds=round(seconds, 1))
 
 
-def compile_launches(launches: list, archs: list, official: Optional[str] = None) -> list:
+# launch options that `compile --configs candidates` tries on top of each of our kernels' default,
+# beside kernels._TUNE's: none changes a result bit (kernels._TUNE says why); fits() says which fit
+CANDIDATES = {"_mixer_fwd": [{"num_stages": 2}], "_mixer_bwd": [{"num_stages": 2}, {"maxnreg": 255}],
+              "_sum_heads": [{"num_warps": 2}, {"num_warps": 8}, {"num_stages": 1}]}
+Configs = enum.Enum("Configs", {n: n for n in ("default", "tuned", "candidates")}, type=str)
+
+
+def launch_configs(kernel: str, major: int, constexprs: dict, configs: str) -> list:
+    """(name, launch options) of each config of one of our kernels on compute capability major to
+    compile: kernels.py's default ("default"), the others its tuner times ("tuned") and, for
+    "candidates", CANDIDATES's that it does not ("candidate"). [] for a kernel not ours."""
+    if kernel not in CANDIDATES:
+        return []
+    default, *tuned = K._launch_configs(kernel, major, constexprs)
+    out = [("default", default)] + ([("tuned", o) for o in tuned] if configs != "default" else [])
+    if configs == "candidates":
+        out += [("candidate", default | extra) for extra in CANDIDATES[kernel]]
+    unique = {}
+    for name, options in out:  # a candidate kernels.py already has is that one
+        unique.setdefault(json.dumps(options, sort_keys=True), (name, options))
+    return list(unique.values())
+
+
+def compile_launches(launches: list, archs: list, official: Optional[str] = None,
+                     configs: str = "default") -> list:
     """Each launch (capture_launches' output) compiled for each compute capability in archs (80 is
-    sm_80), the mixer kernels with the launch options kernels.py gives them on that GPU: a row per
-    distinct binary (compile_one's figures, or the error), with this Triton's version. Needs a
-    process whose Triton is not interpreted, and leaves Triton's active driver answering for the
-    last target: run it in a process of its own (run_isolated). No GPU needed."""
+    sm_80), our kernels with the launch options kernels.py gives them on that GPU (its default, or
+    each config `configs` names: launch_configs): a row per distinct binary (compile_one's figures,
+    or the error), with this Triton's version. Needs a process whose Triton is not interpreted, and
+    leaves Triton's active driver answering for the last target: run it in a process of its own
+    (run_isolated). No GPU needed."""
     from triton.backends.compiler import GPUTarget
 
     if triton.knobs.runtime.interpret:
@@ -509,7 +535,7 @@ def compile_launches(launches: list, archs: list, official: Optional[str] = None
         sys.modules.setdefault("mamba_ssm", official_package(official))
     rows, seen = [], set()
     with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope():
-        triton.knobs.compilation.always_compile = True  # no cache: ptxas runs, and logs, each binary
+        triton.knobs.compilation.always_compile = True  # no cache: ptxas runs and logs each binary
         triton.knobs.nvidia.dump_ptxas_log = True
         for arch in archs:
             # what JITFunction.warmup asks of the driver, answered for this target (one kernel cache
@@ -519,23 +545,22 @@ def compile_launches(launches: list, archs: list, official: Optional[str] = None
                 get_current_target=lambda: target, get_current_device=lambda: target.arch,
                 get_current_stream=lambda device: 0))
             for i, launch in enumerate(launches):
-                constexprs = {k: v for k, v in launch["kwargs"].items() if k not in LAUNCH_OPTIONS}
-                if launch["name"] in ("_mixer_fwd", "_mixer_bwd"):  # kernels.py's, on this arch
-                    options = K._launch_options(launch["name"] == "_mixer_bwd", arch // 10,
-                                                constexprs)
-                    kwargs = {k: v for k, v in launch["kwargs"].items()
+                constexprs = {k: v for k, v in launch["kwargs"].items()
                               if k not in (*LAUNCH_OPTIONS, "maxnreg")}
-                    launch = dict(launch, kwargs=kwargs | options)
-                row = {"launch": i, "arch": arch, "kernel": launch["name"], "constexprs": constexprs,
-                       "config": launch.get("config", ""), "triton": triton.__version__,
-                       "maxnreg": launch["kwargs"].get("maxnreg")}
-                try:
-                    binary, figures = compile_one(launch, arch)
-                    if (arch, binary) not in seen:  # the same specialization again: the same binary
-                        seen.add((arch, binary))
-                        rows.append(dict(row, hash=binary, **figures))
-                except Exception as e:  # a kernel that does not compile is a finding, in its row
-                    rows.append(dict(row, error=f"{type(e).__name__}: {e}".strip()))
+                ours = launch_configs(launch["name"], arch // 10, constexprs, configs)
+                for tune, options in ours or [("", {})]:
+                    run = dict(launch, kwargs=constexprs | options) if ours else launch
+                    row = {"launch": i, "arch": arch, "kernel": launch["name"],
+                           "constexprs": constexprs, "config": launch.get("config", ""),
+                           "triton": triton.__version__, "tune": tune, "options": options,
+                           "maxnreg": run["kwargs"].get("maxnreg")}
+                    try:
+                        binary, figures = compile_one(run, arch)
+                        if (arch, binary) not in seen:  # the same specialization: the same binary
+                            seen.add((arch, binary))
+                            rows.append(dict(row, hash=binary, **figures))
+                    except Exception as e:  # a kernel that does not compile: a finding, in its row
+                        rows.append(dict(row, error=f"{type(e).__name__}: {e}".strip()))
     return rows
 
 
@@ -583,6 +608,7 @@ def compile_table(rows: list) -> list:
                  f"yes ({r['wgmma']})" if r["wgmma"] else "[red]no[/red]")
         maxnreg = r.get("maxnreg") or c.get("maxnreg")
         launch = f"{r['num_warps']} / {r['num_stages']}" + (f" / {maxnreg}" if maxnreg else "")
+        launch += f" ({r['tune']})" if r.get("tune") not in (None, "", "default") else ""
         table.append(row + [launch, r["registers"],
                             spills if spills == "0 / 0" else f"[red]{spills}[/red]",
                             f"{r['shared'] / 1024:.1f}", wgmma, r["seconds"]])
@@ -598,7 +624,7 @@ def official_table(rows: list) -> list:
         if key not in best or r["spill_stores"] < best[key]["spill_stores"]:
             best[key] = dict(r, configs=best.get(key, {}).get("configs", 0))
         best[key]["configs"] += 1
-    return [[kernel, f"sm_{arch}", r["configs"], r["num_warps"], r["constexprs"].get("maxnreg", "-"),
+    return [[kernel, f"sm_{arch}", r["configs"], r["num_warps"], r["maxnreg"] or "-",
              r["registers"], f"{r['spill_stores']} / {r['spill_loads']}",
              f"yes ({r['wgmma']})" if r["wgmma"] else "-"]
             for (kernel, arch), r in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
@@ -606,6 +632,43 @@ def official_table(rows: list) -> list:
 
 # the shared memory a block may have (opt-in), KiB, by architecture: what a binary must fit
 SHARED_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
+
+
+def fits(row: dict, default: dict) -> bool:
+    """Whether a config's binary may join kernels._TUNE: shared memory within what a block may have
+    on its arch (sm_89: 99 KiB) or the default's, and at most a quarter more spill bytes (+64)."""
+    return (row["shared"] <= max(default["shared"], SHARED_KIB[row["arch"]] * 1024)
+            and row["spill_stores"] <= 1.25 * default["spill_stores"] + 64)
+
+
+def tune_table(rows: list) -> list:
+    """compile_launches' rows of our kernels' other configs, per kernel, compute capability major
+    and launch options beyond the default: the worst spill stores (furthest above a quarter more)
+    and shared memory against the default's over every Triton, arch and config compiled, whether that fits everywhere, and
+    whether kernels._TUNE has it (it should, exactly when it fits)."""
+    ok = [r for r in rows if "error" not in r and r.get("tune")]
+    default = {(r["triton"], r["launch"], r["arch"]): r for r in ok if r["tune"] == "default"}
+    worst = {}
+    for r in (r for r in ok if r["tune"] != "default"):
+        d = default[r["triton"], r["launch"], r["arch"]]
+        extra = {k: v for k, v in r["options"].items() if d["options"].get(k) != v}
+        key = r["kernel"], r["arch"] // 10, json.dumps(extra, sort_keys=True)
+        w = worst.setdefault(key, dict(binaries=0, fits=True, spills=(-1e9, 0, 0), shared=(0, 0)))
+        w["binaries"] += 1
+        w["fits"] &= fits(r, d)
+        over = r["spill_stores"] - 1.25 * d["spill_stores"]  # the worst: furthest above the bar
+        w["spills"] = max(w["spills"], (over, r["spill_stores"], d["spill_stores"]))
+        w["shared"] = max(w["shared"], (r["shared"] // 1024, d["shared"] // 1024))
+    table = []
+    for (kernel, major, extra), w in sorted(worst.items()):
+        kept = json.loads(extra) in K._TUNE.get((kernel, major), [])
+        cell = "yes" if kept else "no"
+        if kept and not w["fits"]:  # the evidence and kernels.py disagree
+            cell = f"[red]{cell}[/red]"
+        table.append([kernel, f"{major}.x", extra, w["binaries"],
+                      "{} ({})".format(*w["spills"][1:]), "{} ({})".format(*w["shared"]),
+                      "yes" if w["fits"] else "no", cell])
+    return table
 
 
 def summary(rows: list) -> list:
@@ -652,6 +715,9 @@ def compile_(
                                            "triton==3.6.0): compile under it too, first on the "
                                            "path of the compiling process only; repeat for "
                                            "several."),
+    configs: Configs = typer.Option("default", help="Our kernels' launch configs to compile: "
+                                    "kernels.py's default, every one its tuner times (tuned), or "
+                                    "those and the candidates it leaves out (candidates)."),
     json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
                                              help="Also write every row's figures there, as JSON."),
     official: Optional[Path] = Official,
@@ -692,7 +758,7 @@ def compile_(
     rows = []
     for path in [None] + [str(p) for p in triton_path]:
         rows += run_isolated("compile_launches", False, triton_path=path, launches=launches,
-                             archs=archs)
+                             archs=archs, configs=configs.value)
     t2 = time.perf_counter()
     cfg = layer_config(heads, ngroups, mimo_rank)
     print_table(f"Triton kernels of one mixer layer (P{cfg.headdim} N{cfg.d_state} G{ngroups} "
@@ -705,6 +771,12 @@ def compile_(
                   f"{t2 - t1:.0f} s")
     for line in summary(rows):
         console.print(line)
+    if configs.value != "default":
+        print_table("our kernels' other launch configs against their default, the worst over every "
+                    "binary above", ["kernel", "GPU", "options", "binaries",
+                                     "spill stores (default)", "shared KiB (default)", "fits",
+                                     "in kernels._TUNE"],
+                    tune_table(rows))
     if json_path:
         json_path.write_text(json.dumps(rows, indent=1) + "\n")
     failed = [r for r in rows if "error" in r]
