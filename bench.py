@@ -886,8 +886,10 @@ def gpu(
     if child:
         gpu_train(child, deadline, out)
         done("training run")
+    # the launch config each kernel's tuner chose in this process, by kernel and shape
+    out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K._TUNED.items()]
     if json_path:
-        json_path.write_text(json.dumps(out, indent=1) + "\n")
+        json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     failed = f"; FAILED: {', '.join(out['failed'])}" if out["failed"] else ""
     console.print(f"machine: {machine()}, triton {triton.__version__}{failed}")
     if out["failed"]:
