@@ -1291,9 +1291,9 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
                                P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
         TB = 32
-        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L, R, H=H,
-                                             G=G, P=P, N=N, S=S, TB=TB, NB=_pow2(N), SB=_pow2(S),
-                                             ACC=_TL_DTYPE[acc])
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
+                                                      R, H=H, G=G, P=P, N=N, S=S, TB=TB,
+                                                      NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
     dB_w, dC_w = dparam[:, 2 * R * N:-2].view(H, 2, N).sum(0)

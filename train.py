@@ -145,9 +145,11 @@ def resolve(cfg, init=None):
         if (cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"])
                 or cfg.mimo_rank not in (None, init["mimo_rank"])):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model, --vocab-size and --mimo-rank may not change it: leave them out")
+                             f"--model, --vocab-size and --mimo-rank may not change it: leave them "
+                             f"out")
         model = cfg.model or (same + ["small"])[0]
-    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k) for k, v in RECIPES[model].items()}
+    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
+              for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         with torch.device("meta"):
             params = Mamba3LM(PRESETS[model]).num_params()
@@ -484,7 +486,8 @@ def move_aside(out, step, files, prefix):
     names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
     if names:  # (--overwrite moves the old run's config too)
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-        name = next(n for i in range(99) if not (out / (n := f"{base}-{i}" if i else base)).exists())
+        name = next(n for i in range(99)
+                    if not (out / (n := f"{base}-{i}" if i else base)).exists())
         (out / f".{name}.moving").mkdir()
         write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
     return finish_moves(out, step)
