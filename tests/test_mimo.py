@@ -310,9 +310,10 @@ def test_fused_mimo_in_float32_and_bf16():
 
 
 @pytest.mark.interpreter
-def test_the_model_on_the_fused_path_matches_the_torch_path(monkeypatch):
-    model = tiny(2, reset_token=3, n_layer=1)  # one layer: the wiring is the point
-    idx = torch.randint(0, 100, (2, 21))
+@pytest.mark.parametrize("R", [1, 2])  # SISO and MIMO models
+def test_the_model_on_the_fused_path_matches_the_torch_path(monkeypatch, R):
+    model = tiny(R, reset_token=3, n_layer=1)  # one layer: the wiring is the point
+    idx = torch.randint(0, 100, (2, 21))  # chunks of 16 tokens (SISO), 8 (R = 2): a partial last
     idx[0, [5, 8, 9]] = 3
     runs = {}
     for impl in ("torch", "triton"):
