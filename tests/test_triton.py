@@ -324,12 +324,14 @@ from triton.compiler import ASTSource
 import kernels as K
 
 P, N, S, C, L = 64, 128, 32, 64, 2048
-scalars = {"phase_ptr", "dparam_ptr", "dt_bias_ptr", "Bw_ptr", "Cw_ptr", "Bb_ptr", "Cb_ptr", "D_ptr"}
+scalars = {"phase_ptr", "dparam_ptr", "dt_bias_ptr", "Bw_ptr", "Cw_ptr", "Bb_ptr", "Cb_ptr", "D_ptr", "dmimo_ptr",
+           "mx_ptr", "mz_ptr", "mo_ptr"}
 triton.knobs.nvidia.dump_ptxas_log = triton.knobs.compilation.always_compile = True  # ptxas runs, and reports
-for name, dtype, H, G, reset in json.loads(sys.argv[1]):
+for name, dtype, H, G, reset, R in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
-    tiles = K._mixer_tiles(C, P, N, dtype)  # q, k and the state as even and odd dims
-    W, nc, ty = 2 * H * P + 2 * G * N + 3 * H + S, L // tiles["C"], {torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    tiles = K._mixer_tiles(C // R, P, N, dtype, R)  # q, k and the state as even and odd dims; C rows a chunk
+    W, nc = 2 * H * P + 2 * R * G * N + 3 * H + S, L * R // tiles["C"]
+    ty = {torch.bfloat16: "bf16"}.get(dtype, "fp32")
     ints = dict(L=L, nc=nc, s_b=L * W, s_l=W, so_b=L * H * P, so_l=H * P, sd_b=L * H * P, sd_l=H * P, sg_b=L * W,
                 sg_l=W)
     mixer = dict(tiles, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset)
@@ -361,12 +363,16 @@ for name, dtype, H, G, reset in json.loads(sys.argv[1]):
         print(json.dumps(dict(config=name, kernel=fn.__name__, tuned=tuned, spills=int(spills[1]),
                               shared=kernel.metadata.shared, wgmma="wgmma" in kernel.asm["ptx"])))
 """
-# (config, zxbcdt dtype, H, G, resets) and the most spill bytes each kernel may have there on sm_90: today's figures
-# (Triton 3.9; 3.6 spills more) with a little room; with resets no more than without
-CONFIGS = [("bf16", "bfloat16", 32, 1, False), ("bf16, resets", "bfloat16", 32, 1, True),
-           ("fp32", "float32", 32, 1, False), ("bf16, 2 groups, 24 heads", "bfloat16", 24, 2, False)]
+# (config, zxbcdt dtype, H, G, resets, MIMO rank) and the most spill bytes each kernel may have there on sm_90:
+# today's figures (Triton 3.9; 3.6 spills more) with a little room; with resets no more than without (SISO). MIMO at
+# R = 4: a chunk of 16 tokens of 4 rows, SISO's 64-row tiles, so it fits the 99 KB of sm_86/sm_89 too
+CONFIGS = [("bf16", "bfloat16", 32, 1, False, 1), ("bf16, resets", "bfloat16", 32, 1, True, 1),
+           ("fp32", "float32", 32, 1, False, 1), ("bf16, 2 groups, 24 heads", "bfloat16", 24, 2, False, 1),
+           ("bf16, R = 4", "bfloat16", 32, 1, False, 4), ("bf16, R = 4, resets", "bfloat16", 32, 1, True, 4)]
+MIMO_SPILLS = {"_mixer_fwd": 256, "_mixer_bwd": 5632}
 SPILLS = {"bf16": {"_mixer_fwd": 0, "_mixer_bwd": 2812}, "fp32": {"_mixer_fwd": 64, "_mixer_bwd": 2048},
-          "bf16, 2 groups, 24 heads": {"_mixer_fwd": 0, "_mixer_bwd": 3200, "_sum_heads": 0}}
+          "bf16, 2 groups, 24 heads": {"_mixer_fwd": 0, "_mixer_bwd": 3200, "_sum_heads": 0},
+          "bf16, R = 4": MIMO_SPILLS, "bf16, R = 4, resets": MIMO_SPILLS}
 
 
 @pytest.mark.slow
@@ -391,7 +397,7 @@ def test_kernels_compile_for_sm90_in_every_configuration():
                   key=lambda r: order[r["config"]])  # stable: each config's launches keep their order
     defaults = {(r["config"], r["kernel"]): r for r in rows if not r["tuned"]}
     assert list(defaults) == [
-        (c, k) for c, _, _, G, _ in CONFIGS for k in ("_mixer_fwd", "_mixer_bwd") + (("_sum_heads",) if G > 1 else ())]
+        (c, k) for c, _, _, G, _, _ in CONFIGS for k in ("_mixer_fwd", "_mixer_bwd") + (("_sum_heads",) if G > 1 else ())]
     assert len(rows) > len(defaults)  # the tuner's other configs
     spills = {key: r["spills"] for key, r in defaults.items()}
     for r in rows:  # every kernel with a tl.dot uses wgmma (_sum_heads has none); sm_86/sm_89 give a block 99 KB
