@@ -41,13 +41,12 @@ from typing import Annotated, List, Optional
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.progress import Progress
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
-                  cli_errors, load_tokenizer, open_tokens, read_manifest, replace_dir, sha256,
-                  write_atomic)
+                  cli_errors, fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
+                  sha256, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -78,13 +77,12 @@ def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
     """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
     if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
         return load_tokenizer({"name": flag}), None
-    path = Path(flag)
-    if not path.is_file():
+    if not Path(flag).is_file():
         raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
                         f"{flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(path),
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag),
             "eos_token": eos_token}
-    return FileTokenizer(path, spec), path
+    return FileTokenizer(Path(flag), spec), Path(flag)
 
 
 # -----------------------------------------------------------------------------
@@ -99,8 +97,8 @@ def _kind(path: Path):
 
 
 def find_inputs(paths) -> list:
-    """Input files in a deterministic order: each path in turn; a directory's files (hidden
-    directories skipped) sorted by their path inside it."""
+    """Input files in order: each path in turn, a directory's files (hidden directories skipped)
+    sorted by their path inside it; a file named twice is read once."""
     files = []
     for p in map(Path, paths):
         if not p.exists():
@@ -113,16 +111,14 @@ def find_inputs(paths) -> list:
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             found += [Path(root) / n for n in names if _kind(Path(n)) is not None]
         files += sorted(found, key=lambda f: f.relative_to(p).parts)
-    files = list(dict.fromkeys(files))  # a file named twice is read once
     if not files:
         raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, .md, "
                         ".py, .jsonl or .parquet files")
-    return files
+    return list(dict.fromkeys(files))
 
 
 def demo_inputs(root=None) -> list:
-    """The demo corpus: every .py file of the Python standard library (or of `root`), without its
-    test suites and installed packages, sorted by path."""
+    """Every .py file of the standard library (or `root`) but tests and packages, sorted by path."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts[:-1])]
@@ -130,15 +126,11 @@ def demo_inputs(root=None) -> list:
 
 
 def check_parquet(files, text_field="text"):
-    """Refuse, from the footers alone and before any work starts, a .parquet file among `files`
-    that is not one or has no string column `text_field`."""
-    parquet = [f for f in files if _kind(f) == "parquet"]
-    if not parquet:
-        return  # pyarrow is imported only when needed: it takes a while
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for f in parquet:
+    """Refuse, from the footers and before any work, a .parquet input that is not one or has no
+    string column `text_field`."""
+    for f in (f for f in files if _kind(f) == "parquet"):
+        import pyarrow as pa  # only when needed: it takes a while
+        import pyarrow.parquet as pq
         try:
             schema = pq.read_schema(f)
         except (pa.ArrowException, OSError) as e:
@@ -157,48 +149,45 @@ def _parquet_texts(path, text_field):
     """The raw UTF-8 bytes of each row's text (b"" for a null), a slice of a row group at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     try:
         # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the
         # reader, so memory would grow with the file: read one row group's column in 1 MiB pieces.
         with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as pf:
             for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
-                for raw in batch.column(0).cast(pa.large_binary()).to_pylist():
-                    yield raw or b""
+                texts = batch.column(0).cast(pa.large_binary()).to_pylist()
+                yield from (raw or b"" for raw in texts)
     except (pa.ArrowException, OSError) as e:  # a corrupt page or row group, a file gone
         raise DataError(f"{path}: could not read it as Parquet ({e})") from None
 
 
 def read_documents(files, text_field="text"):
-    """Yield (kind, raw bytes, (file index, line number)) per document, streaming: one file, line or
-    slice of a Parquet row group at a time (a Parquet row is a "text" document)."""
+    """Yield (kind, raw bytes, (file index, file, line number)) per document, streaming: one file,
+    line or slice of a Parquet row group at a time (a Parquet row is a "text" document)."""
     for i, f in enumerate(files):
         if _kind(f) == "parquet":
-            yield from (("text", raw, (i, 0)) for raw in _parquet_texts(f, text_field))
+            yield from (("text", raw, (i, f, 0)) for raw in _parquet_texts(f, text_field))
             continue
         try:
             with (gzip.open if f.name.endswith(".gz") else open)(f, "rb") as fh:
                 if _kind(f) == "text":
-                    yield "text", fh.read(), (i, 0)
-                    continue
-                for lineno, line in enumerate(fh, 1):
-                    if line.strip():  # blank lines (a trailing newline, say) are not documents
-                        yield "jsonl", line, (i, lineno)
+                    yield "text", fh.read(), (i, f, 0)
+                else:  # blank lines (a trailing newline, say) are not documents
+                    yield from (("jsonl", line, (i, f, n)) for n, line in enumerate(fh, 1)
+                                if line.strip())
         except (OSError, EOFError, zlib.error) as e:  # unreadable file, corrupt gzip stream
             raise DataError(f"{f}: could not read it ({e})") from None
 
 
-def _batched(documents):  # (items, origins) of about BATCH_BYTES of documents at a time
-    items, origins, size = [], [], 0
-    for kind, raw, origin in documents:
-        items.append((kind, raw))
-        origins.append(origin)
-        size += len(raw)
+def _batched(documents):  # lists of about BATCH_BYTES of documents
+    batch, size = [], 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc[1])
         if size >= BATCH_BYTES:
-            yield items, origins
-            items, origins, size = [], [], 0
-    if items:
-        yield items, origins
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 # -----------------------------------------------------------------------------
@@ -206,16 +195,14 @@ def _batched(documents):  # (items, origins) of about BATCH_BYTES of documents a
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _SURROGATE = re.compile("[\ud800-\udfff]")
+JSON_TYPES = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
 
 def _text_of(kind, raw, text_field):
     """(text, undecodable count) of one document; a ValueError says what is wrong with a line."""
-    try:
-        text, bad = raw.decode("utf-8"), 0
-    except UnicodeDecodeError:  # count the U+FFFD that replace bytes, not those in the text
-        text = raw.decode("utf-8", "replace")
-        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+    text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
+    bad = text.count("\ufffd") - raw.count("\ufffd".encode())
     if kind == "text":
         return text, bad
     try:
@@ -224,8 +211,9 @@ def _text_of(kind, raw, text_field):
         raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
     value, field = obj.get(text_field) if isinstance(obj, dict) else None, json.dumps(text_field)
     if not isinstance(value, str):
-        found = (f"a JSON {_json_type(obj)}" if not isinstance(obj, dict) else
-                 f"a {_json_type(value)} in {field}, not a string" if text_field in obj else
+        what = JSON_TYPES.get(type(value if isinstance(obj, dict) else obj), "number")
+        found = (f"a JSON {what}" if not isinstance(obj, dict) else
+                 f"a {what} in {field}, not a string" if text_field in obj else
                  f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
         raise ValueError(f"expected a JSON object with a string {field} field (--text-field), "
                          f"found {found}")
@@ -233,31 +221,25 @@ def _text_of(kind, raw, text_field):
     return text, bad + n
 
 
-def _json_type(value):
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
-
-
-def _encode_batch(tok, items, dtype, text_field):
+def _encode_batch(tok, docs, dtype, text_field):
     """(tokens (N,) of the documents, each followed by EOS, lengths (D,) with 0 for an empty one,
-    which is skipped, undecodable count, None or (item index, error message))."""
-    eos = np.array([tok.eos_id], dtype=dtype)
-    pieces, lengths, bad = [], [], 0
-    for i, (kind, raw) in enumerate(items):
+    which is skipped, undecodable count); a bad line is a DataError naming its file and line."""
+    eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
+    for kind, raw, (_, f, lineno) in docs:
         try:
             text, n_bad = _text_of(kind, raw, text_field)
-        except ValueError as e:  # the parent names the file and line
-            return None, None, bad, (i, str(e))
+        except ValueError as e:
+            raise DataError(f"{f}{f':{lineno}' if lineno else ''}: {e}") from None
         ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
-        lengths.append(len(ids) + 1 if text else 0)  # an empty document is skipped
+        lengths.append(len(ids) + 1 if text else 0)
         bad += n_bad
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), bad, None
+    return tokens, np.asarray(lengths, dtype=np.int64), bad
 
 
 def _worker(conn, parents_end, tok):
-    """A tokenizer process: batches in, their _encode_batch results out, on its own pipe."""
+    """A tokenizer process: batches in, their _encode_batch results (or exceptions) out."""
     # Ctrl-C reaches every process of the terminal's group: the parent alone decides, and ends the
     # workers with SIGTERM, which must then just end them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -265,8 +247,7 @@ def _worker(conn, parents_end, tok):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _workers while it forked
     parents_end.close()  # so that recv() ends (EOFError) when the parent is gone
     with contextlib.suppress(EOFError, BrokenPipeError):  # the parent is gone: so is the work
-        while True:
-            task = conn.recv()
+        for task in iter(conn.recv, None):
             try:
                 result = _encode_batch(tok, *task)
             except Exception as e:  # raised again in the parent
@@ -277,9 +258,8 @@ def _worker(conn, parents_end, tok):
 @contextlib.contextmanager
 def _workers(n, tok):
     """n tokenizer processes (their pipes), each with a copy of `tok`, ended by SIGTERM however the
-    block is left. Not a multiprocessing.Pool: a pool worker that dies holding the shared task
-    queue's lock (as SIGTERM to the process group does to an idle one) makes the pool's
-    terminate() wait forever. Here no process shares a lock or a pipe with another one."""
+    block is left. Not a multiprocessing.Pool: a pool worker that dies holding the task queue's lock
+    (as SIGTERM to the process group does to an idle one) makes terminate() wait forever."""
     ctx, procs, conns = multiprocessing.get_context(), [], []
     # The stop signals stay blocked until every worker has set its own handlers (the mask is
     # inherited); one that came meanwhile is raised at the unblock, inside the try.
@@ -304,26 +284,25 @@ def _workers(n, tok):
 
 
 def _encoded(files, tok, dtype, conns, text_field):
-    """Yield (origins, tokens, lengths, undecodable, error) per batch, in input order. Batch k goes
-    to worker k % n, one at a time each, so memory stays bounded; no conns: in this process."""
+    """Yield (files done, tokens, lengths, undecodable) per batch, in input order. Batch k goes to
+    worker k % n, one at a time each, so memory stays bounded; no conns: in this process."""
     batches = _batched(read_documents(files, text_field))
     if not conns:
-        for items, origins in batches:
-            yield origins, *_encode_batch(tok, items, dtype, text_field)
+        yield from ((b[-1][2][0] + 1, *_encode_batch(tok, b, dtype, text_field)) for b in batches)
         return
-    pending = deque()  # (origins, pipe) of the batches in the workers, oldest first
+    pending = deque()  # (files done, pipe) of the batches in the workers, oldest first
 
-    def take(origins, conn):
+    def take(files_done, conn):
         result = conn.recv()
         if isinstance(result, Exception):
             raise result
-        return origins, *result
+        return files_done, *result
 
     try:
-        for k, (items, origins) in enumerate(batches):
+        for k, docs in enumerate(batches):
             done = take(*pending.popleft()) if len(pending) == len(conns) else None
-            conns[k % len(conns)].send((items, dtype, text_field))
-            pending.append((origins, conns[k % len(conns)]))
+            conns[k % len(conns)].send((docs, dtype, text_field))
+            pending.append((docs[-1][2][0] + 1, conns[k % len(conns)]))
             if done:
                 yield done
         while pending:
@@ -338,7 +317,7 @@ def _encoded(files, tok, dtype, conns, text_field):
 
 class ShardWriter:
     """One split's shards: whole documents in order, a new shard when the next document would
-    overflow --shard-tokens (a longer one gets a shard of its own); `shards`: the manifest entries.
+    overflow shard_tokens (a longer one gets a shard of its own); `shards`: the manifest entries.
     (No temporary names: the whole directory is a stage until replace_dir puts it in place.)"""
 
     def __init__(self, directory: Path, split: str, shard_tokens: int):
@@ -353,8 +332,8 @@ class ShardWriter:
                 self.close()
             if self.f is None:
                 name = f"{self.split}_{len(self.shards):05d}.bin"
-                self.f = open(self.directory / name, "wb", buffering=1 << 23)
-                self.hash = hashlib.sha256()
+                self.f, self.hash = open(self.directory / name, "wb", buffering=1 << 23), (
+                    hashlib.sha256())
                 self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
             begin, e = int(ends[i - 1]) if i else 0, self.entry
             room = begin + self.shard_tokens - e["tokens"]
@@ -367,11 +346,17 @@ class ShardWriter:
 
     def close(self):
         if self.f is not None:
-            self.f.flush()
-            os.fsync(self.f.fileno())
             self.f.close()
+            fsync(self.directory / self.entry["file"])
             self.f = None
             self.shards.append({**self.entry, "sha256": self.hash.hexdigest()})
+
+
+def _previous(out: Path):  # the manifest of an earlier output in `out`, or None
+    try:
+        return read_manifest(out)
+    except DataError:
+        return None
 
 
 def _check_out(out: Path, files, overwrite: bool):
@@ -382,25 +367,19 @@ def _check_out(out: Path, files, overwrite: bool):
         if out.resolve() in f.resolve().parents:
             raise DataError(f"--out-dir {out}: contains the input {f}, and would be replaced; "
                             "write somewhere else")
-    if overwrite or not out.exists() or not any(out.iterdir()):
-        return
-    try:
-        read_manifest(out)
-    except DataError:
+    if not overwrite and out.is_dir() and any(out.iterdir()) and _previous(out) is None:
         names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
         raise DataError(f"--out-dir {out}: expected an empty directory or a previous prepare.py "
                         f"output, found other files ({names}...); pick another --out-dir, or pass "
-                        "--overwrite to replace it") from None
+                        "--overwrite to replace it")
 
 
 def _ours(old: Path) -> set:
     """What of a replaced output is prepare.py's (the rest is a user's, and is kept)."""
-    try:
-        m = read_manifest(old)
-    except DataError:  # not an earlier output: replaced with --overwrite, which asked for that
+    if (m := _previous(old)) is None:  # not an earlier output: --overwrite asked to replace it
         return {p.name for p in old.iterdir()}
-    shards = {s["file"] for split in m["splits"].values() for s in split["shards"]}
-    return {MANIFEST, "tokenizer.json"} | shards
+    return {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values()
+                                           for s in split["shards"]}
 
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
@@ -476,17 +455,13 @@ def _write_splits(stage, files, stream, o, show):
     held = None  # a batch is written when the next comes: the last document may yet be val's
     with Progress(disable=not (show and sys.stdout.isatty())) as bar, contextlib.closing(stream):
         task, t0 = bar.add_task("tokenizing", total=len(files)), time.perf_counter()
-        for origins, toks, lengths, bad, error in stream:
-            if error is not None:
-                file_index, lineno = origins[error[0]]
-                raise DataError(f"{files[file_index]}{f':{lineno}' if lineno else ''}: {error[1]}")
-            undecodable += bad
-            empty += int((lengths == 0).sum())
+        for files_done, toks, lengths, bad in stream:
+            undecodable, empty = undecodable + bad, empty + int((lengths == 0).sum())
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
             docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
             rate = tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.update(task, completed=origins[-1][0] + 1, description=f"tokenizing: {docs:,} docs "
+            bar.update(task, completed=files_done, description=f"tokenizing: {docs:,} docs "
                        f"{tokens:,} tokens {rate:,.0f} tok/s")
             if len(lengths):
                 if held is not None:
@@ -544,15 +519,20 @@ def verify(directory) -> list:
             problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), "
                             f"found {size}")
             continue
-        sha, top, eos_count, last = _scan_shard(f, dtype, eos)
+        h, top, n_eos, last = hashlib.sha256(), 0, 0, None
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 25), b""):  # in bounded chunks
+                h.update(block)
+                t = np.frombuffer(block, dtype)
+                top, n_eos, last = max(top, int(t.max())), n_eos + int((t == eos).sum()), int(t[-1])
         problems += [f"{f}: {problem}" for bad, problem in [
-            (sha != shard["sha256"], f"sha256 {sha[:16]}... differs from the manifest's "
-             f"{shard['sha256'][:16]}...: the file changed after prepare.py wrote it"),
+            (h.hexdigest() != shard["sha256"], f"sha256 {h.hexdigest()[:16]}... differs from the "
+             f"manifest's {shard['sha256'][:16]}...: the file changed after prepare.py wrote it"),
             (top != shard["max_token_id"], f"max token id {top}, the manifest says "
              f"{shard['max_token_id']}"),
             (top >= m["vocab_size"], f"token id {top} is outside the vocabulary of "
              f"{m['vocab_size']}"),
-            (eos_count != shard["documents"], f"{eos_count} EOS tokens, the manifest says "
+            (n_eos != shard["documents"], f"{n_eos} EOS tokens, the manifest says "
              f"{shard['documents']} documents"),
             (last != eos, f"ends with token {last}, not EOS {eos}: a document is cut at the shard "
              "end")] if bad]
@@ -564,26 +544,11 @@ def verify(directory) -> list:
     return problems
 
 
-def _scan_shard(path, dtype, eos, chunk=1 << 24):
-    """sha256, max token id, EOS count and last token of a shard, reading it in bounded chunks."""
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    h, top, count = hashlib.sha256(), 0, 0
-    for i in range(0, len(tokens), chunk):
-        block = np.ascontiguousarray(tokens[i : i + chunk])
-        h.update(block.data)
-        top = max(top, int(block.max()))
-        count += int(np.count_nonzero(block == eos))
-    return h.hexdigest(), top, count, int(tokens[-1]) if len(tokens) else None
-
-
 def info(directory, sample_tokens=300):
-    """(manifest, decoded sample of the first training document, or None when the tokenizer cannot
-    load)."""
-    m = read_manifest(directory)
-    source = open_tokens(directory, "train")
+    """(manifest, the first training document decoded, or None if the tokenizer cannot load)."""
+    m, source = read_manifest(directory), open_tokens(directory, "train")
     ids = source.read(0, min(sample_tokens, source.num_tokens)).tolist()
-    if m["eos_id"] in ids:
-        ids = ids[: ids.index(m["eos_id"]) + 1]
+    ids = ids[: ids.index(m["eos_id"]) + 1] if m["eos_id"] in ids else ids
     try:
         return m, load_tokenizer(m["tokenizer"], directory).decode(ids)
     except DataError:
@@ -593,13 +558,6 @@ def info(directory, sample_tokens=300):
 # -----------------------------------------------------------------------------
 # command line: `prepare.py [INPUT ...]`, `prepare.py verify DIR`, `prepare.py info DIR`
 
-console = Console()
-
-
-def say(text):
-    """A line on stdout, as it is: not cut at 80 columns when stdout is a file or a pipe."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
-
 
 @contextlib.contextmanager
 def _stoppable(out: Path):
@@ -607,7 +565,7 @@ def _stoppable(out: Path):
     KeyboardInterrupt too, so that both unwind alike: replace_dir removes the stage, _workers ends
     the workers."""
     manifest, terminated = out / MANIFEST, []
-    before = manifest.read_bytes() if manifest.is_file() else None
+    before = manifest.is_file() and manifest.read_bytes()
 
     def on_sigterm(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
@@ -619,8 +577,8 @@ def _stoppable(out: Path):
         yield
     except KeyboardInterrupt:
         what, code = ("SIGTERM", 143) if terminated else ("Ctrl-C (SIGINT)", 130)
-        now = manifest.read_bytes() if manifest.is_file() else None
-        kept = "is unchanged" if now == before else "holds the new output, which was complete"
+        same = (manifest.is_file() and manifest.read_bytes()) == before
+        kept = "is unchanged" if same else "holds the new output, which was complete"
         print(f"stopped by {what}: {out} {kept}", file=sys.stderr, flush=True)
         raise typer.Exit(code) from None
     finally:
@@ -651,45 +609,42 @@ def main(
             files = find_inputs(inputs)
         else:
             files = demo_inputs()
-            say(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
-                "standard library")
+            print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
+                  "standard library")
             if options["val_fraction"] is None:
                 options["val_fraction"] = 0.01
         prepare(files, out or DEMO_OUT, tokenizer or ("gpt2" if inputs else "byte"), progress=True,
-                log=say, **options)
+                **options)
 
 
 # the flags are main's own three and then Options' fields, written once
 main.__signature__ = inspect.Signature([*list(inspect.signature(main).parameters.values())[:3],
                                         *inspect.signature(Options).parameters.values()])
+DIRECTORY = typer.Argument(..., help="A prepare.py output directory.")
 
 
-def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
+def verify_main(directory: Path = DIRECTORY):
     """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only
     when all is well."""
-    problems = verify(directory)
-    if problems:
-        errors = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
-        errors.print(f"{directory}: {len(problems)} problem{'s' * (len(problems) > 1)}")
-        for p in problems:
-            errors.print(f"  - {p}")
+    if problems := verify(directory):
+        print(f"{directory}: {len(problems)} problem{'s' * (len(problems) > 1)}",
+              *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr)
         raise typer.Exit(2)
-    say(f"{directory}: all shards match the manifest")
+    print(f"{directory}: all shards match the manifest")
 
 
-def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
+def info_main(directory: Path = DIRECTORY):
     """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
     with cli_errors(DataError):
         m, sample = info(directory)
     for name, s in m["splits"].items():
-        say(f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in {len(s['shards'])} "
-            f"shards, max token id {s['max_token_id']}")
-    say(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
-        f"dtype {m['dtype']}")
-    say(f"stats {m.get('stats', {})}")
-    say("sample:" if sample is not None else "sample: (the tokenizer could not be loaded here)")
-    if sample is not None:
-        say(sample)
+        print(f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in "
+              f"{len(s['shards'])} shards, max token id {s['max_token_id']}")
+    print(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id {m['eos_id']}, "
+          f"dtype {m['dtype']}")
+    print(f"stats {m.get('stats', {})}")
+    print(f"sample:\n{sample}" if sample is not None else
+          "sample: (the tokenizer could not be loaded here)")
 
 
 if __name__ == "__main__":
