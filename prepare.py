@@ -34,7 +34,6 @@ import sys
 import sysconfig
 import time
 import zlib
-from collections import deque
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, List, Optional
@@ -199,37 +198,36 @@ JSON_TYPES = {dict: "object", list: "list", str: "string", bool: "boolean", type
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
 
-def _text_of(kind, raw, text_field):
-    """(text, undecodable count) of one document; a ValueError says what is wrong with a line."""
+def _text_of(kind, raw, text_field, origin):
+    """(text, undecodable count) of one document; a DataError says what is wrong with a line."""
     text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
     bad = text.count("\ufffd") - raw.count("\ufffd".encode())
     if kind == "text":
         return text, bad
+    where = f"{origin[1]}:{origin[2]}"  # (only a jsonl line can be wrong)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"expected one JSON object per line, found invalid JSON ({e})") from None
+        raise DataError(f"{where}: expected one JSON object per line, found invalid JSON "
+                        f"({e})") from None
     value, field = obj.get(text_field) if isinstance(obj, dict) else None, json.dumps(text_field)
     if not isinstance(value, str):
         what = JSON_TYPES.get(type(value if isinstance(obj, dict) else obj), "number")
         found = (f"a JSON {what}" if not isinstance(obj, dict) else
                  f"a {what} in {field}, not a string" if text_field in obj else
                  f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
-        raise ValueError(f"expected a JSON object with a string {field} field (--text-field), "
-                         f"found {found}")
+        raise DataError(f"{where}: expected a JSON object with a string {field} field "
+                        f"(--text-field), found {found}")
     text, n = _SURROGATE.subn("\ufffd", value)  # lone surrogates (\ud800 escapes) are not UTF-8
     return text, bad + n
 
 
 def _encode_batch(tok, docs, dtype, text_field):
     """(tokens (N,) of the documents, each followed by EOS, lengths (D,) with 0 for an empty one,
-    which is skipped, undecodable count); a bad line is a DataError naming its file and line."""
+    which is skipped, undecodable count)."""
     eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
-    for kind, raw, (_, f, lineno) in docs:
-        try:
-            text, n_bad = _text_of(kind, raw, text_field)
-        except ValueError as e:
-            raise DataError(f"{f}{f':{lineno}' if lineno else ''}: {e}") from None
+    for kind, raw, origin in docs:
+        text, n_bad = _text_of(kind, raw, text_field, origin)
         ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
         lengths.append(len(ids) + 1 if text else 0)
@@ -277,9 +275,8 @@ def _workers(n, tok):
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for proc in procs:
             proc.terminate()
-        for proc in procs:
+        for proc, conn in zip(procs, conns):
             proc.join()
-        for conn in conns:
             conn.close()
 
 
@@ -290,23 +287,21 @@ def _encoded(files, tok, dtype, conns, text_field):
     if not conns:
         yield from ((b[-1][2][0] + 1, *_encode_batch(tok, b, dtype, text_field)) for b in batches)
         return
-    pending = deque()  # (files done, pipe) of the batches in the workers, oldest first
-
+    pending = []  # (files done, pipe) of the batches in the workers, oldest first
     def take(files_done, conn):
         result = conn.recv()
         if isinstance(result, Exception):
             raise result
         return files_done, *result
-
     try:
         for k, docs in enumerate(batches):
-            done = take(*pending.popleft()) if len(pending) == len(conns) else None
+            done = take(*pending.pop(0)) if len(pending) == len(conns) else None
             conns[k % len(conns)].send((docs, dtype, text_field))
             pending.append((docs[-1][2][0] + 1, conns[k % len(conns)]))
             if done:
                 yield done
         while pending:
-            yield take(*pending.popleft())
+            yield take(*pending.pop(0))
     except (EOFError, OSError):  # a pipe closed: a worker is gone (a crash, the OOM killer)
         raise DataError(WORKER_DIED) from None
 
@@ -421,39 +416,17 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     return m
 
 
-def _build(stage, files, tok, tok_file, o, progress) -> dict:
+def _build(stage, files, tok, tok_file, o, show) -> dict:
     """Write the shards, the tokenizer file if any and, last, the manifest into `stage`."""
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    # the workers start before the progress bar's thread: forking with threads is unsafe
-    with _workers(o.workers, tok) if o.workers > 1 else contextlib.nullcontext() as conns:
-        stream = _encoded(files, tok, dtype, conns, o.text_field)
-        writers, stats = _write_splits(stage, files, stream, o, progress)
-    if not writers["train"].shards:
-        raise DataError(f"all {stats['documents']} documents went to the validation split, none is "
-                        "left for training: give more documents or a smaller --val-fraction (0 for "
-                        "none)")
-    if tok_file:
-        write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
-    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
-                     "documents": sum(s["documents"] for s in w.shards),
-                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
-                     "shards": w.shards} for name, w in writers.items()}
-    manifest = {
-        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": np.dtype(dtype).name,
-        "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.spec, "splits": splits,
-        "stats": {"input_files": len(files), **stats, "val_fraction": o.val_fraction,
-                  "shard_tokens": o.shard_tokens},
-    }
-    write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    return manifest
-
-
-def _write_splits(stage, files, stream, o, show):
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
     held = None  # a batch is written when the next comes: the last document may yet be val's
-    with Progress(disable=not (show and sys.stdout.isatty())) as bar, contextlib.closing(stream):
+    # the workers start before the progress bar's thread: forking with threads is unsafe
+    with (_workers(o.workers, tok) if o.workers > 1 else contextlib.nullcontext() as conns,
+          Progress(disable=not (show and sys.stdout.isatty())) as bar,
+          contextlib.closing(_encoded(files, tok, dtype, conns, o.text_field)) as stream):
         task, t0 = bar.add_task("tokenizing", total=len(files)), time.perf_counter()
         for files_done, toks, lengths, bad in stream:
             undecodable, empty = undecodable + bad, empty + int((lengths == 0).sum())
@@ -475,8 +448,23 @@ def _write_splits(stage, files, stream, o, show):
     _add(writers, *held)
     for w in writers.values():
         w.close()
-    return writers, {"documents": docs, "empty_documents_skipped": empty,
-                     "undecodable_replaced": undecodable}
+    if not writers["train"].shards:
+        raise DataError(f"all {docs} documents went to the validation split, none is left for "
+                        "training: give more documents or a smaller --val-fraction (0 for none)")
+    if tok_file:
+        write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
+    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
+                     "documents": sum(s["documents"] for s in w.shards),
+                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
+                     "shards": w.shards} for name, w in writers.items()}
+    stats = {"input_files": len(files), "documents": docs, "empty_documents_skipped": empty,
+             "undecodable_replaced": undecodable, "val_fraction": o.val_fraction,
+             "shard_tokens": o.shard_tokens}
+    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+                "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "tokenizer": tok.spec, "splits": splits, "stats": stats}
+    write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
 
 
 def _add(writers, toks, lengths, is_val):
@@ -487,11 +475,9 @@ def _add(writers, toks, lengths, is_val):
 
 
 def _is_val(n, f: Fraction):
-    """Document n (from 0) is a validation document when round((n + 1) f) > round(n f), halves
-    rounded up (floor(x + 1/2), in integers): every prefix of the corpus then holds round(prefix *
-    f) of them, spread evenly, the first at about 1 / (2f), so that neither the start nor a large
-    first file is favoured. When that is none (fewer than 1/(2f) documents, f > 0), _write_splits
-    makes the last document the validation split."""
+    """Document n (from 0) is validation's when round((n + 1) f) > round(n f), halves up: every
+    prefix then holds round(prefix * f), spread evenly from about 1 / (2f) on, favouring neither the
+    start nor a large first file. When that is none (f > 0), _build holds out the last document."""
     p, q = f.numerator, f.denominator
     return (2 * (n + 1) * p + q) // (2 * q) > (2 * n * p + q) // (2 * q)
 
@@ -596,11 +582,8 @@ def main(
                                                "otherwise).")] = None,
     **options,
 ):
-    """Tokenize text into shards + manifest.json for train.py.
-
-    Also `prepare.py verify DIR`: re-hash and range-check every shard (exit 0 when all is well);
-    `prepare.py info DIR`: statistics and a decoded sample.
-    """
+    """Tokenize text into shards + manifest.json for train.py. Also `prepare.py verify DIR`:
+    re-hash and range-check every shard; `prepare.py info DIR`: statistics and a decoded sample."""
     with cli_errors(DataError, OSError), _stoppable(out or DEMO_OUT):
         if inputs:
             if out is None:
@@ -624,8 +607,7 @@ DIRECTORY = typer.Argument(..., help="A prepare.py output directory.")
 
 
 def verify_main(directory: Path = DIRECTORY):
-    """Re-hash every shard and check sizes, token ranges, documents and the manifest. Exit 0 only
-    when all is well."""
+    """Re-hash every shard, check sizes, token ranges and documents; exit 0 if all is well."""
     if problems := verify(directory):
         print(f"{directory}: {len(problems)} problem{'s' * (len(problems) > 1)}",
               *(f"  - {p}" for p in problems), sep="\n", file=sys.stderr)
