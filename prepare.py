@@ -6,17 +6,16 @@
     python prepare.py verify data/mine                   # re-hash and range-check every shard
     python prepare.py info data/mine                     # statistics and a decoded sample
 
-Inputs are files or directories (searched recursively, files sorted by path) of .txt, .md and .py
-files (one file is one document), .jsonl files (one line is one document: its "text" field), each
-optionally gzipped, and .parquet files (one row is one document: its "text" column; a null is an
-empty document); --text-field names another field or column. Every document is followed by the
-tokenizer's EOS id; every 1/f-th document goes to the validation split (_is_val says exactly which),
-the rest to train, each split cut into shards of about --shard-tokens tokens at document ends.
-Tokenization runs in --workers processes, in bounded memory; results come back in input order, so
-the output is byte-identical for any worker count.
+Inputs: files or directories (searched recursively, sorted by path) of .txt, .md and .py files (a
+file is a document) and .jsonl files (a line is a document: its "text" field), each optionally
+gzipped, and .parquet files (a row is a document: its "text" column, a null an empty one);
+--text-field names another field or column. Each document ends with the tokenizer's EOS id; every
+1/f-th goes to the validation split (_is_val says which), the rest to train, each split cut at
+document ends into shards of about --shard-tokens tokens. --workers processes tokenize in bounded
+memory and in input order: the output is byte-identical for any worker count.
 
 The output is built beside --out-dir and put in its place only when complete (data.replace_dir): a
-failure or a kill never leaves a half-written directory that looks valid, never loses the previous
+failure or a kill never leaves a half-written directory that looks valid or loses the previous
 output, and files you added to it move into the new one. Ctrl-C and SIGTERM stop the command,
 workers included, within a second or so (exit 130 or 143).
 """
@@ -88,11 +87,10 @@ def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
 # inputs: which files, and the documents in them
 
 
-def _kind(path: Path):
-    if path.name.endswith(".parquet"):  # compressed inside, never gzipped as a whole
-        return "parquet"
+def _kind(path: Path):  # "parquet" (compressed inside, never gzipped whole), "jsonl", "text", None
     name = path.name.removesuffix(".gz")
-    return "jsonl" if name.endswith(".jsonl") else "text" if name.endswith(TEXT_SUFFIXES) else None
+    return ("parquet" if path.name.endswith(".parquet") else "jsonl" if name.endswith(".jsonl")
+            else "text" if name.endswith(TEXT_SUFFIXES) else None)
 
 
 def find_inputs(paths) -> list:
@@ -125,8 +123,7 @@ def demo_inputs(root=None) -> list:
 
 
 def check_parquet(files, text_field="text"):
-    """Refuse, from the footers and before any work, a .parquet input that is not one or has no
-    string column `text_field`."""
+    """Refuse, from the footers, before any work, a .parquet input without a text_field column."""
     for f in (f for f in files if _kind(f) == "parquet"):
         import pyarrow as pa  # only when needed: it takes a while
         import pyarrow.parquet as pq
@@ -223,8 +220,7 @@ def _text_of(kind, raw, text_field, origin):
 
 
 def _encode_batch(tok, docs, dtype, text_field):
-    """(tokens (N,) of the documents, each followed by EOS, lengths (D,) with 0 for an empty one,
-    which is skipped, undecodable count)."""
+    """(tokens (N,): each document then EOS; lengths (D,), 0 for a skipped empty one; bad bytes)."""
     eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
     for kind, raw, origin in docs:
         text, n_bad = _text_of(kind, raw, text_field, origin)
@@ -311,9 +307,8 @@ def _encoded(files, tok, dtype, conns, text_field):
 
 
 class ShardWriter:
-    """One split's shards: whole documents in order, a new shard when the next document would
-    overflow shard_tokens (a longer one gets a shard of its own); `shards`: the manifest entries.
-    (No temporary names: the whole directory is a stage until replace_dir puts it in place.)"""
+    """One split's shards of whole documents, each within shard_tokens unless one document is
+    longer; `shards`: the manifest entries. (No temporary names: the directory is a stage.)"""
 
     def __init__(self, directory: Path, split: str, shard_tokens: int):
         self.directory, self.split, self.shard_tokens, self.shards, self.f = (
@@ -390,9 +385,7 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
         if not ok:
             raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
-    out = Path(out)
-    if out.is_symlink():  # the swap renames directories: write behind it, keep the link
-        out = out.resolve()
+    out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
     tok, tok_file = tokenizer_from_flag(tokenizer, o.eos_token)
     _check_out(out, files, o.overwrite)
     t0 = time.perf_counter()
@@ -401,8 +394,7 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     except OSError as e:  # disk full, permissions: say where, and that nothing was lost
         raise DataError(f"could not write {e.filename or out} ({e.strerror or e}); free disk space "
                         f"or fix the permissions, then run again: {out} is unchanged") from None
-    seconds, stats = time.perf_counter() - t0, m["stats"]
-    train, val = m["splits"]["train"], m["splits"]["val"]
+    seconds, stats, (train, val) = time.perf_counter() - t0, m["stats"], m["splits"].values()
     tokens = train["tokens"] + val["tokens"]
     log(f"wrote {tokens:,} tokens ({stats['documents']:,} documents) to {out} in {seconds:.1f}s "
         f"({tokens / seconds:,.0f} tokens/s, {o.workers} worker{'s' * (o.workers > 1)}): train "
@@ -423,6 +415,10 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = empty = undecodable = tokens = n_val = 0
     held = None  # a batch is written when the next comes: the last document may yet be val's
+    def add(toks, lengths, is_val):  # is_val (D,) says which documents are validation's
+        v = np.repeat(is_val, lengths)  # (N,) which tokens are
+        writers["val"].add(toks[v], lengths[is_val])
+        writers["train"].add(toks[~v], lengths[~is_val])
     # the workers start before the progress bar's thread: forking with threads is unsafe
     with (_workers(o.workers, tok) if o.workers > 1 else contextlib.nullcontext() as conns,
           Progress(disable=not (show and sys.stdout.isatty())) as bar,
@@ -438,14 +434,14 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                        f"{tokens:,} tokens {rate:,.0f} tok/s")
             if len(lengths):
                 if held is not None:
-                    _add(writers, *held)
+                    add(*held)
                 held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
     if n_val == 0 and f:  # round(docs * f) is 0: the last document is the validation split
         held[2][-1] = True
-    _add(writers, *held)
+    add(*held)
     for w in writers.values():
         w.close()
     if not writers["train"].shards:
@@ -465,13 +461,6 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                 "tokenizer": tok.spec, "splits": splits, "stats": stats}
     write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
-
-
-def _add(writers, toks, lengths, is_val):
-    # documents (tokens (N,), lengths (D,)) to their splits, is_val (D,) saying which is which
-    v = np.repeat(is_val, lengths)  # (N,) which tokens are validation's
-    writers["val"].add(toks[v], lengths[is_val])
-    writers["train"].add(toks[~v], lengths[~is_val])
 
 
 def _is_val(n, f: Fraction):
@@ -548,16 +537,13 @@ def info(directory, sample_tokens=300):
 @contextlib.contextmanager
 def _stoppable(out: Path):
     """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143. SIGTERM raises
-    KeyboardInterrupt too, so that both unwind alike: replace_dir removes the stage, _workers ends
-    the workers."""
+    KeyboardInterrupt too: both unwind alike (replace_dir drops the stage, _workers the workers)."""
     manifest, terminated = out / MANIFEST, []
     before = manifest.is_file() and manifest.read_bytes()
-
     def on_sigterm(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
         terminated.append(signum)
         raise KeyboardInterrupt
-
     handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
@@ -631,9 +617,7 @@ def info_main(directory: Path = DIRECTORY):
 
 if __name__ == "__main__":
     # Subcommands are dispatched by hand: a Typer group cannot also take free INPUT paths first.
-    command = sys.argv[1] if len(sys.argv) > 1 else None
-    if command in ("verify", "info"):
-        del sys.argv[1]
+    command = sys.argv.pop(1) if sys.argv[1:2] in (["verify"], ["info"]) else None
     app = typer.Typer(add_completion=False, rich_markup_mode="rich")
     app.command()({"verify": verify_main, "info": info_main}.get(command, main))
-    app(prog_name=f"prepare.py {command}" if command in ("verify", "info") else "prepare.py")
+    app(prog_name=f"prepare.py {command}" if command else "prepare.py")
