@@ -62,9 +62,8 @@ class Options:
         "for the demo, 0.0005 otherwise).")] = None
     workers: Annotated[Optional[int], Option(help="Tokenizer processes (default: all "
                                              "cores).")] = None
-    eos_token: Annotated[Optional[str], Option(
-        help="The end-of-document token of a tokenizer file, when it is not one of "
-        f"{', '.join(EOS_TOKENS)}.")] = None
+    eos_token: Annotated[Optional[str], Option(help="A tokenizer file's end-of-document token, "
+                                               f"if not one of {', '.join(EOS_TOKENS)}.")] = None
     overwrite: Annotated[bool, Option(help="Replace an --out-dir that holds something other than a "
                                       "previous output.")] = False
     text_field: Annotated[str, Option(help="The text column of .parquet files and the text field "
@@ -141,27 +140,22 @@ def check_parquet(files, text_field="text"):
                             f"type), found {t}; name the text column with --text-field")
 
 
-def _parquet_texts(path, text_field):
-    """The raw UTF-8 bytes of each row's text (b"" for a null), a slice of a row group at a time."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    try:
-        # pyarrow's default pre-buffering fetches the column's chunks of the whole file ahead of the
-        # reader, so memory would grow with the file: read one row group's column in 1 MiB pieces.
-        with pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20) as pf:
-            for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
-                texts = batch.column(0).cast(pa.large_binary()).to_pylist()
-                yield from (raw or b"" for raw in texts)
-    except (pa.ArrowException, OSError) as e:  # a corrupt page or row group, a file gone
-        raise DataError(f"{path}: could not read it as Parquet ({e})") from None
-
-
 def read_documents(files, text_field="text"):
     """Yield (kind, raw bytes, (file index, file, line number)) per document, streaming: one file,
     line or slice of a Parquet row group at a time (a Parquet row is a "text" document)."""
     for i, f in enumerate(files):
         if _kind(f) == "parquet":
-            yield from (("text", raw, (i, f, 0)) for raw in _parquet_texts(f, text_field))
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            try:
+                # pyarrow's default pre-buffering reads the column of the whole file ahead, so
+                # memory would grow with the file: read one row group's column in 1 MiB pieces.
+                with pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20) as pf:
+                    for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]):
+                        texts = batch.column(0).cast(pa.large_binary()).to_pylist()
+                        yield from (("text", raw or b"", (i, f, 0)) for raw in texts)  # null: b""
+            except (pa.ArrowException, OSError) as e:  # a corrupt page or row group, a file gone
+                raise DataError(f"{f}: could not read it as Parquet ({e})") from None
             continue
         try:
             with (gzip.open if f.name.endswith(".gz") else open)(f, "rb") as fh:
@@ -322,24 +316,22 @@ class ShardWriter:
                 self.close()
             if self.f is None:
                 name = f"{self.split}_{len(self.shards):05d}.bin"
-                self.f, self.hash = open(self.directory / name, "wb", buffering=1 << 23), (
-                    hashlib.sha256())
+                self.f = open(self.directory / name, "wb", buffering=1 << 23)
                 self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
             begin, e = int(ends[i - 1]) if i else 0, self.entry
             room = begin + self.shard_tokens - e["tokens"]
             j = max(i + 1, int(np.searchsorted(ends, room, side="right")))  # documents i .. j-1
             chunk = tokens[begin : int(ends[j - 1])]
             self.f.write(chunk.data)
-            self.hash.update(chunk.data)
             e["tokens"], e["documents"], i = e["tokens"] + len(chunk), e["documents"] + j - i, j
             e["max_token_id"] = max(e["max_token_id"], int(chunk.max()))
 
     def close(self):
         if self.f is not None:
             self.f.close()
-            fsync(self.directory / self.entry["file"])
+            fsync(self.f.name)
+            self.shards.append({**self.entry, "sha256": sha256(self.f.name)})  # of what is on disk
             self.f = None
-            self.shards.append({**self.entry, "sha256": self.hash.hexdigest()})
 
 
 def _previous(out: Path):  # the manifest of an earlier output in `out`, or None
@@ -483,32 +475,27 @@ def verify(directory) -> list:
         m = read_manifest(directory)
     except DataError as e:
         return [str(e)]
-    problems, dtype, eos = [], np.dtype(m["dtype"]), m["eos_id"]
-    for shard in (s for split in m["splits"].values() for s in split["shards"]):
-        f = directory / shard["file"]
-        if not f.is_file():
-            problems.append(f"{f}: missing (listed in {MANIFEST})")
-            continue
-        want, size = shard["tokens"] * dtype.itemsize, f.stat().st_size
-        if size != want:
-            problems.append(f"{f}: expected {want} bytes ({shard['tokens']} {dtype.name} tokens), "
+    problems, dtype, eos, vocab = [], np.dtype(m["dtype"]), m["eos_id"], m["vocab_size"]
+    for s in (s for split in m["splits"].values() for s in split["shards"]):
+        f, want = directory / s["file"], s["tokens"] * dtype.itemsize
+        if (size := f.stat().st_size if f.is_file() else None) != want:
+            problems.append(f"{f}: missing (listed in {MANIFEST})" if size is None else
+                            f"{f}: expected {want} bytes ({s['tokens']} {dtype.name} tokens), "
                             f"found {size}")
             continue
-        h, top, n_eos, last = hashlib.sha256(), 0, 0, None
+        h, hi, n_eos, last = hashlib.sha256(), 0, 0, None
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 25), b""):  # in bounded chunks
                 h.update(block)
                 t = np.frombuffer(block, dtype)
-                top, n_eos, last = max(top, int(t.max())), n_eos + int((t == eos).sum()), int(t[-1])
+                hi, n_eos, last = max(hi, int(t.max())), n_eos + int((t == eos).sum()), int(t[-1])
         problems += [f"{f}: {problem}" for bad, problem in [
-            (h.hexdigest() != shard["sha256"], f"sha256 {h.hexdigest()[:16]}... differs from the "
-             f"manifest's {shard['sha256'][:16]}...: the file changed after prepare.py wrote it"),
-            (top != shard["max_token_id"], f"max token id {top}, the manifest says "
-             f"{shard['max_token_id']}"),
-            (top >= m["vocab_size"], f"token id {top} is outside the vocabulary of "
-             f"{m['vocab_size']}"),
-            (n_eos != shard["documents"], f"{n_eos} EOS tokens, the manifest says "
-             f"{shard['documents']} documents"),
+            (h.hexdigest() != s["sha256"], f"sha256 {h.hexdigest()[:16]}... differs from the "
+             f"manifest's {s['sha256'][:16]}...: the file changed after prepare.py wrote it"),
+            (hi != s["max_token_id"], f"max token id {hi}, the manifest says {s['max_token_id']}"),
+            (hi >= vocab, f"token id {hi} is outside the vocabulary of {vocab}"),
+            (n_eos != s["documents"], f"{n_eos} EOS tokens, the manifest says {s['documents']} "
+             "documents"),
             (last != eos, f"ends with token {last}, not EOS {eos}: a document is cut at the shard "
              "end")] if bad]
     if m["tokenizer"].get("name") == "file":  # there, and the file the spec names
@@ -538,17 +525,16 @@ def info(directory, sample_tokens=300):
 def _stoppable(out: Path):
     """Ctrl-C and SIGTERM end the command with one line and exit 130 or 143. SIGTERM raises
     KeyboardInterrupt too: both unwind alike (replace_dir drops the stage, _workers the workers)."""
-    manifest, terminated = out / MANIFEST, []
+    manifest = out / MANIFEST
     before = manifest.is_file() and manifest.read_bytes()
     def on_sigterm(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
-        terminated.append(signum)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("SIGTERM")
     handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
-    except KeyboardInterrupt:
-        what, code = ("SIGTERM", 143) if terminated else ("Ctrl-C (SIGINT)", 130)
+    except KeyboardInterrupt as e:
+        what, code = ("SIGTERM", 143) if e.args == ("SIGTERM",) else ("Ctrl-C (SIGINT)", 130)
         same = (manifest.is_file() and manifest.read_bytes()) == before
         kept = "is unchanged" if same else "holds the new output, which was complete"
         print(f"stopped by {what}: {out} {kept}", file=sys.stderr, flush=True)
