@@ -189,15 +189,27 @@ JSON_TYPES = {dict: "object", list: "list", str: "string", bool: "boolean", type
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
 
-def _text_of(kind, raw, text_field, origin):
-    """(text, undecodable count) of one document; a DataError says what is wrong with a line."""
-    text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
-    bad = text.count("\ufffd") - raw.count("\ufffd".encode())
-    if kind == "text":
-        return text, bad
-    where = f"{origin[1]}:{origin[2]}"  # (only a jsonl line can be wrong)
+def _encode_batch(tok, docs, dtype, text_field):
+    """(tokens (N,): each document then EOS; lengths (D,), 0 for a skipped empty one; undecodable
+    count)."""
+    eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
+    for kind, raw, (_, f, lineno) in docs:
+        text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
+        bad += text.count("\ufffd") - raw.count("\ufffd".encode())
+        if kind == "jsonl":  # lone surrogates (\ud800 escapes) are not UTF-8
+            text, n = _SURROGATE.subn("\ufffd", _json_text(text, text_field, f"{f}:{lineno}"))
+            bad += n
+        ids = tok.encode_array(text).astype(dtype, copy=False)
+        pieces += [ids, eos] if text else []
+        lengths.append(len(ids) + 1 if text else 0)
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
+    return tokens, np.asarray(lengths, dtype=np.int64), bad
+
+
+def _json_text(line, text_field, where):
+    """The text field of a jsonl line; a DataError says what is wrong with the line."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: expected one JSON object per line, found invalid JSON "
                         f"({e})") from None
@@ -209,21 +221,7 @@ def _text_of(kind, raw, text_field, origin):
                  f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
         raise DataError(f"{where}: expected a JSON object with a string {field} field "
                         f"(--text-field), found {found}")
-    text, n = _SURROGATE.subn("\ufffd", value)  # lone surrogates (\ud800 escapes) are not UTF-8
-    return text, bad + n
-
-
-def _encode_batch(tok, docs, dtype, text_field):
-    """(tokens (N,): each document then EOS; lengths (D,), 0 for a skipped empty one; bad bytes)."""
-    eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
-    for kind, raw, origin in docs:
-        text, n_bad = _text_of(kind, raw, text_field, origin)
-        ids = tok.encode_array(text).astype(dtype, copy=False)
-        pieces += [ids, eos] if text else []
-        lengths.append(len(ids) + 1 if text else 0)
-        bad += n_bad
-    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), bad
+    return value
 
 
 def _worker(conn, parents_end, tok):
