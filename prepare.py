@@ -60,8 +60,7 @@ class Options:
     val_fraction: Annotated[Optional[float], Option(
         help="Fraction of documents held out for validation, at least one when > 0 (default: 0.01 "
         "for the demo, 0.0005 otherwise).")] = None
-    workers: Annotated[Optional[int], Option(help="Tokenizer processes (default: all "
-                                             "cores).")] = None
+    workers: Annotated[Optional[int], Option(help="Worker processes (default: all cores).")] = None
     eos_token: Annotated[Optional[str], Option(help="A tokenizer file's end-of-document token, "
                                                f"if not one of {', '.join(EOS_TOKENS)}.")] = None
     overwrite: Annotated[bool, Option(help="Replace an --out-dir that holds something other than a "
@@ -70,15 +69,14 @@ class Options:
                                       "of .jsonl records.")] = "text"
 
 
-def tokenizer_from_flag(flag: str, eos_token: Optional[str] = None):
+def tokenizer_from_flag(flag: str, eos: Optional[str] = None):
     """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
     if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
         return load_tokenizer({"name": flag}), None
     if not Path(flag).is_file():
         raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
                         f"{flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag),
-            "eos_token": eos_token}
+    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag), "eos_token": eos}
     return FileTokenizer(Path(flag), spec), Path(flag)
 
 
@@ -202,8 +200,7 @@ def _encode_batch(tok, docs, dtype, text_field):
         ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
         lengths.append(len(ids) + 1 if text else 0)
-    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype)
-    return tokens, np.asarray(lengths, dtype=np.int64), bad
+    return np.concatenate(pieces or [np.empty(0, dtype)]), np.asarray(lengths, dtype=np.int64), bad
 
 
 def _json_text(line, text_field, where):
@@ -243,9 +240,8 @@ def _worker(conn, parents_end, tok):
 
 @contextlib.contextmanager
 def _workers(n, tok):
-    """n tokenizer processes (their pipes), each with a copy of `tok`, ended by SIGTERM however the
-    block is left. Not a multiprocessing.Pool: a pool worker that dies holding the task queue's lock
-    (as SIGTERM to the process group does to an idle one) makes terminate() wait forever."""
+    """n tokenizer processes (their pipes), ended by SIGTERM however the block is left. Not a Pool:
+    a pool worker killed holding the task queue's lock (SIGTERM to the group) hangs terminate()."""
     ctx, procs, conns = multiprocessing.get_context(), [], []
     # The stop signals stay blocked until every worker has set its own handlers (the mask is
     # inherited); one that came meanwhile is raised at the unblock, inside the try.
@@ -332,31 +328,11 @@ class ShardWriter:
             self.f = None
 
 
-def _previous(out: Path):  # the manifest of an earlier output in `out`, or None
-    try:
-        return read_manifest(out)
-    except DataError:
-        return None
-
-
-def _check_out(out: Path, files, overwrite: bool):
-    """Refuse an --out-dir whose replacement would lose something."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out-dir {out}: expected a directory, found a file")
-    for f in files:
-        if out.resolve() in f.resolve().parents:
-            raise DataError(f"--out-dir {out}: contains the input {f}, and would be replaced; "
-                            "write somewhere else")
-    if not overwrite and out.is_dir() and any(out.iterdir()) and _previous(out) is None:
-        names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
-        raise DataError(f"--out-dir {out}: expected an empty directory or a previous prepare.py "
-                        f"output, found other files ({names}...); pick another --out-dir, or pass "
-                        "--overwrite to replace it")
-
-
 def _ours(old: Path) -> set:
     """What of a replaced output is prepare.py's (the rest is a user's, and is kept)."""
-    if (m := _previous(old)) is None:  # not an earlier output: --overwrite asked to replace it
+    try:
+        m = read_manifest(old)
+    except DataError:  # not an earlier output: --overwrite asked to replace it
         return {p.name for p in old.iterdir()}
     return {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values()
                                            for s in split["shards"]}
@@ -377,7 +353,20 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     check_parquet(files, o.text_field)
     out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
     tok, tok_file = tokenizer_from_flag(tokenizer, o.eos_token)
-    _check_out(out, files, o.overwrite)
+    # refuse an --out-dir whose replacement would lose something
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out-dir {out}: expected a directory, found a file")
+    if inside := [f for f in files if out.resolve() in f.resolve().parents]:
+        raise DataError(f"--out-dir {out}: contains the input {inside[0]}, and would be replaced; "
+                        "write somewhere else")
+    if not o.overwrite and out.is_dir() and any(out.iterdir()):
+        try:
+            read_manifest(out)
+        except DataError:
+            names = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+            raise DataError(f"--out-dir {out}: expected an empty directory or a previous "
+                            f"prepare.py output, found other files ({names}...); pick another "
+                            "--out-dir, or pass --overwrite to replace it") from None
     t0 = time.perf_counter()
     try:
         m = replace_dir(out, lambda stage: _build(stage, files, tok, tok_file, o, progress), _ours)
@@ -419,9 +408,8 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
             docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
-            rate = tokens / max(time.perf_counter() - t0, 1e-9)
             bar.update(task, completed=files_done, description=f"tokenizing: {docs:,} docs "
-                       f"{tokens:,} tokens {rate:,.0f} tok/s")
+                       f"{tokens:,} tokens {tokens / (time.perf_counter() - t0 + 1e-9):,.0f} tok/s")
             if len(lengths):
                 if held is not None:
                     add(*held)
@@ -443,12 +431,12 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                      "documents": sum(s["documents"] for s in w.shards),
                      "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
                      "shards": w.shards} for name, w in writers.items()}
-    stats = {"input_files": len(files), "documents": docs, "empty_documents_skipped": empty,
-             "undecodable_replaced": undecodable, "val_fraction": o.val_fraction,
-             "shard_tokens": o.shard_tokens}
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                 "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                "tokenizer": tok.spec, "splits": splits, "stats": stats}
+                "tokenizer": tok.spec, "splits": splits, "stats": {
+                    "input_files": len(files), "documents": docs, "empty_documents_skipped": empty,
+                    "undecodable_replaced": undecodable, "val_fraction": o.val_fraction,
+                    "shard_tokens": o.shard_tokens}}
     write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
@@ -548,20 +536,17 @@ def main(
     out: Annotated[Optional[Path], Option("--out-dir", "-o", help=(
         f"Output directory (default: {DEMO_OUT} for the demo; required with INPUT)."))] = None,
     tokenizer: Annotated[Optional[str], Option(help="gpt2, byte, or a path to a Hugging Face "
-                                               "tokenizer.json (default: byte for the demo, gpt2 "
-                                               "otherwise).")] = None,
+        "tokenizer.json (default: byte for the demo, gpt2 otherwise).")] = None,
     **options,
 ):
     """Tokenize text into shards + manifest.json for train.py. Also `prepare.py verify DIR`:
     re-hash and range-check every shard; `prepare.py info DIR`: statistics and a decoded sample."""
     with cli_errors(DataError, OSError), _stoppable(out or DEMO_OUT):
-        if inputs:
-            if out is None:
-                raise DataError("--out-dir: expected an output directory for your INPUT files "
-                                "(only the demo has one)")
-            files = find_inputs(inputs)
-        else:
-            files = demo_inputs()
+        if inputs and out is None:
+            raise DataError("--out-dir: expected an output directory for your INPUT files (only "
+                            "the demo has one)")
+        files = find_inputs(inputs) if inputs else demo_inputs()
+        if not inputs:
             print(f"no INPUT: building the demo corpus, {len(files)} .py files of Python's "
                   "standard library")
             if options["val_fraction"] is None:
@@ -573,10 +558,9 @@ def main(
 # the flags are main's own three and then Options' fields, written once
 main.__signature__ = inspect.Signature([*list(inspect.signature(main).parameters.values())[:3],
                                         *inspect.signature(Options).parameters.values()])
-DIRECTORY = typer.Argument(..., help="A prepare.py output directory.")
 
 
-def verify_main(directory: Path = DIRECTORY):
+def verify_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
     """Re-hash every shard, check sizes, token ranges and documents; exit 0 if all is well."""
     if problems := verify(directory):
         print(f"{directory}: {len(problems)} problem{'s' * (len(problems) > 1)}",
@@ -585,7 +569,7 @@ def verify_main(directory: Path = DIRECTORY):
     print(f"{directory}: all shards match the manifest")
 
 
-def info_main(directory: Path = DIRECTORY):
+def info_main(directory: Path = typer.Argument(..., help="A prepare.py output directory.")):
     """Tokens, documents, shards, tokenizer, and a decoded sample of the first training document."""
     with cli_errors(DataError):
         m, sample = info(directory)
