@@ -188,8 +188,7 @@ WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ra
 
 
 def _encode_batch(tok, docs, dtype, text_field):
-    """(tokens (N,): each document then EOS; lengths (D,), 0 for a skipped empty one; undecodable
-    count)."""
+    """(tokens (N,), each document then EOS; lengths (D,), 0 for empty; undecodable count)."""
     eos, pieces, lengths, bad = np.array([tok.eos_id], dtype=dtype), [], [], 0
     for kind, raw, (_, f, lineno) in docs:
         text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
@@ -462,7 +461,7 @@ def verify(directory) -> list:
     except DataError as e:
         return [str(e)]
     problems, dtype, eos, vocab = [], np.dtype(m["dtype"]), m["eos_id"], m["vocab_size"]
-    for s in (s for split in m["splits"].values() for s in split["shards"]):
+    for s in (x for split in m["splits"].values() for x in split["shards"]):
         f, want = directory / s["file"], s["tokens"] * dtype.itemsize
         if (size := f.stat().st_size if f.is_file() else None) != want:
             problems.append(f"{f}: missing (listed in {MANIFEST})" if size is None else
@@ -493,7 +492,7 @@ def verify(directory) -> list:
 
 
 def info(directory, sample_tokens=300):
-    """(manifest, the first training document decoded, or None if the tokenizer cannot load)."""
+    """(manifest, a decoded sample of the first training document, None if no tokenizer loads)."""
     m, source = read_manifest(directory), open_tokens(directory, "train")
     ids = source.read(0, min(sample_tokens, source.num_tokens)).tolist()
     ids = ids[: ids.index(m["eos_id"]) + 1] if m["eos_id"] in ids else ids
