@@ -15,6 +15,7 @@ import bisect
 import contextlib
 import dataclasses
 import enum
+import itertools
 import json
 import multiprocessing
 import os
@@ -39,7 +40,10 @@ import torch.nn.functional as F
 import typer
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import load_model, save_model
 
+import ckpt as C
+import data as D
 import kernels as K
 import train
 from data import cli_errors
@@ -82,16 +86,14 @@ def timed(fn, n: int = 1) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict:
-    """Median seconds per call of each fn, running them round-robin so load affects all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+def time_interleaved(fns: dict, reps: int, warmup: int = 1, n: int = 1) -> dict:
+    """Median seconds per call of each fn (timed n calls at a time), round-robin so that load
+    slows all alike; the first `warmup` rounds untimed."""
     times = {name: [] for name in fns}
-    for _ in range(reps):
+    for _ in range(warmup + reps):
         for name, fn in fns.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(timed(fn, n))
+    return {name: statistics.median(ts[warmup:]) for name, ts in times.items()}
 
 
 def print_table(title: str, columns: list, rows: list):
@@ -121,9 +123,8 @@ def segsum_minimal(a):
 
 def ssd_minimal(x, q, k, log_a, trapezoid, chunk_size):
     """The baseline: a Mamba-2-paper-style minimal SSD (segsum masks and four einsums) with
-    Mamba-3's trapezoid = (gamma, beta): weights w_s = gamma_s + beta_{s+1}, and the gamma
-    diagonal. No initial state; L must be a multiple of chunk_size."""
-    (gamma, beta), C = trapezoid, chunk_size
+    Mamba-3's trapezoid = (gamma, beta): weights w_s = gamma_s + beta_{s+1}, the gamma diagonal."""
+    (gamma, beta), C = trapezoid, chunk_size  # no initial state; L a multiple of C
     B, L, H, P = x.shape
     c = L // C
     w = gamma + F.pad(beta[:, 1:], (0, 0, 0, 1))
@@ -172,34 +173,28 @@ def kernels(
             raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
                              "baseline")
     g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    xqk = rand(B, L, H, P), rand(B, L, H, N) * N**-0.5, rand(B, L, H, N) * N**-0.5
+    inputs = [t.to(dev, TORCH_DTYPE[dtype]).requires_grad_() for t in xqk]  # log_a, gamma, beta:
+    inputs += [(s * rand(B, L, H).abs()).to(dev).requires_grad_() for s in (-0.1, 0.05, 0.05)]
+    dy = rand(B, L, H, P).to(dev, inputs[0].dtype)
 
-    def make(*shape, scale=1.0, sign=0, dtype=TORCH_DTYPE[dtype]):  # sign +-1: t.abs() * sign
-        t = torch.randn(*shape, generator=g) * scale
-        return (t.abs() * sign if sign else t).to(device=dev, dtype=dtype).requires_grad_()
+    def timings(paths: dict, reps: int, warmup: int = 1) -> dict:
+        fns = {}
+        for name, fn in paths.items():  # fwd+bwd by autograd.grad: no .grad accumulation timed
+            fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
+            fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
+        return time_interleaved(fns, reps, warmup)
 
-    x, q, k = make(B, L, H, P), make(B, L, H, N, scale=N**-0.5), make(B, L, H, N, scale=N**-0.5)
-    log_a, gamma, beta = (make(B, L, H, scale=scale, sign=sign, dtype=torch.float32)
-                          for scale, sign in ((0.1, -1), (0.05, 1), (0.05, 1)))
-    inputs = (x, q, k, log_a, gamma, beta)
-    dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
-    paths = {base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
-             "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
-    if recurrent:
-        paths[rec] = lambda *t: K.ssd(*t, impl="recurrent")
-    fns = {}
-    for name, fn in paths.items():  # fwd+bwd by autograd.grad: no .grad accumulation in the timing
-        fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
-        fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
-    times = time_interleaved({key: f for key, f in fns.items() if key[0] != rec}, reps)
+    times = timings({base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
+                     "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}, reps)
     if recurrent:  # the slow one in a group of its own, fewer times
-        slow = {key: f for key, f in fns.items() if key[0] == rec}
-        times |= time_interleaved(slow, max(3, reps // 5), warmup=0)
-    rows = [[name, f"{times[name, 'fwd'] * 1e3:.2f}", f"{times[name, 'fwd+bwd'] * 1e3:.2f}",
-             f"{times[name, 'fwd'] / times[base, 'fwd']:.2f}x",
-             f"{times[name, 'fwd+bwd'] / times[base, 'fwd+bwd']:.2f}x",
-             f"{times[rec, 'fwd+bwd'] / times[name, 'fwd+bwd']:.0f}x" if recurrent else "-"]
-            for name in paths]
+        times |= timings({rec: lambda *t: K.ssd(*t, impl="recurrent")}, max(3, reps // 5), 0)
+    fwd, both = ({name: t for (name, p), t in times.items() if p == k} for k in ("fwd", "fwd+bwd"))
+    rows = [[name, f"{fwd[name] * 1e3:.2f}", f"{both[name] * 1e3:.2f}",
+             f"{fwd[name] / fwd[base]:.2f}x", f"{both[name] / both[base]:.2f}x",
+             f"{both[rec] / both[name]:.0f}x" if recurrent else "-"] for name in fwd]
     print_table(f"ssd  B{B} L{L} H{H} P{P} N{N} C{C} {dtype} on {dev}",
                 ["path", "fwd ms", "fwd+bwd ms", "fwd vs baseline", "fwd+bwd vs baseline",
                  "faster than recurrence"], rows)
@@ -224,8 +219,7 @@ def window_pieces(shards, shard_starts, s, n):
         lo = s + done - shard_starts[k]
         hi = min(len(shards[k]), lo + n - done)
         out.append((shards[k], lo, hi, done))
-        done += hi - lo
-        k += 1
+        done, k = done + hi - lo, k + 1
     return out
 
 
@@ -248,8 +242,6 @@ def copy_windows(pieces, B, L):
 def bench_loaders(path, files, L, B, reps, per_call):
     """Seconds per batch of each loader on the stream at `path` (a file or a shard directory), and
     the one-time cost of data.py's check of the token ids."""
-    import data as D
-
     shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
     starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
     source = D.open_tokens(path)
@@ -266,14 +258,8 @@ def bench_loaders(path, files, L, B, reps, per_call):
         batches = [(o * L).tolist() for o in order]  # window starts
         if addresses:  # found in advance, outside the timer
             batches = [[window_pieces(shards, starts, s, L + 1) for s in b] for b in batches]
-        i = 0
-
-        def run():
-            nonlocal i
-            for _ in range(per_call):
-                i = (i + 1) % n
-                batch_fn(order[i], batches[i])
-        return run
+        todo = itertools.cycle(zip(order, batches))
+        return lambda: batch_fn(*next(todo))
 
     # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
     if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
@@ -285,19 +271,14 @@ def bench_loaders(path, files, L, B, reps, per_call):
     # file, so the steady state pays nothing for it; its one-time cost is timed here.
     D.check_vocab(source, 1 << 16)
     check = timed(lambda: source.windows(np.arange(W), L))  # every window, so every file, once
-    loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))
-
-    def batches():  # like a training loop, each batch is dropped before the next is taken
-        for _ in range(per_call):
-            next(loader)
-
+    loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))  # each batch dropped, as in training
     # The slow baselines run in a group of their own: their garbage would land on whoever follows.
     slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, starts, s, L))}
     if len(files) == 1:
         slow["nanoGPT get_batch"] = contender(4, lambda _, s: nanogpt_get_batch(files[0], s, L))
-    times = time_interleaved({"limit": limit, "data.Batches": batches}, reps)
-    times |= time_interleaved(slow, max(3, reps // 10))
-    return {name: t / per_call for name, t in times.items()}, check
+    times = time_interleaved({"limit": limit, "data.Batches": lambda: next(loader)}, reps,
+                             n=per_call)
+    return times | time_interleaved(slow, max(3, reps // 10), n=per_call), check
 
 
 def time_prepare(out: Path, tokenizer: str, workers: int):
@@ -363,9 +344,6 @@ def data(
         files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
         for k, f in enumerate(files):
             stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-        del stream
-        for f in [one] + files:  # into the page cache
-            f.read_bytes()
         streams = {f"one {tokens / 1e6:g}M-token file": (one, [one]),
                    f"{len(files):,} files of {shard_tokens:,} tokens": (shards, files)}
         for label, (path, files) in streams.items():
@@ -399,9 +377,6 @@ def ckpt(
 
     On CPU. bare + fsync (bare, then both files fsynced) is what durability alone costs; ckpt.save
     adds the sha256 of both files, the directory's fsync and the atomic renames."""
-    import ckpt as C
-    from safetensors.torch import load_model, save_model
-
     torch.manual_seed(0)
     n = max(1, round(params / 2048**2))
     net = (Mamba3LM(PRESETS[model]) if model
@@ -421,28 +396,24 @@ def ckpt(
         def durable_save():  # bare, then what any crash-safe save must add: both files on the disk
             bare_save()
             for path in files:
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+                D.fsync(path)
 
         def bare_load():
             load_model(net, files[0])
             opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
 
-        def ckpt_save():
-            written[:] = C.save(d, 1, net, opt, {"bench": True})
-
-        saves = {"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save}
-        saves = time_interleaved(saves, reps)
+        saves = time_interleaved({"bare": bare_save, "fsync": durable_save, "ckpt": lambda:
+                                  written.append(C.save(d, 1, net, opt, {"bench": True}))}, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
-        size = sum(os.path.getsize(p) for p in written[:2])  # the weights and the optimizer state
+        size = sum(os.path.getsize(p) for p in written[-1][:2])  # the weights, the optimizer state
     ratio = lambda t, of: f"{t['ckpt'] / t[of]:.2f}x" if of in t else ""  # noqa: E731
     rows = [[what, f"{t['bare']:.2f}", f"{t['fsync']:.2f}" if "fsync" in t else "",
              f"{t['ckpt']:.2f}", ratio(t, "bare"), ratio(t, "fsync"),
              f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"]
             for what, t in (("save", saves), ("load", loads))]
-    what = f"{model} preset" if model else "Linear stack"
     print_table(f"checkpoint of {sum(p.numel() for p in net.parameters()) / 1e6:.0f}M params "
-                f"({what}) + AdamW state: {size / 1e9:.2f} GB, medians of {reps}",
+                f"({f'{model} preset' if model else 'Linear stack'}) + AdamW state: "
+                f"{size / 1e9:.2f} GB, medians of {reps}",
                 ["", "bare s", "bare + fsync s", "ckpt s", "ckpt / bare", "ckpt / (bare + fsync)",
                  "bare GB/s", "ckpt GB/s"], rows)
     console.print("save target: ckpt / bare <= 1.30x (bare + fsync is the floor of any save that "
@@ -501,15 +472,13 @@ def train_step(
             lm, step = training(name, dev, autocast, compile_)
             for _ in range(warmup):
                 step()
-            dt = timed(step, steps)
-            n_params, flops = lm.num_params(), lm.flops_per_token(L)
+            dt, n_params, flops = timed(step, steps), lm.num_params(), lm.flops_per_token(L)
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
             continue
         finally:
             lm = step = None
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (a no-op without CUDA)
         rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
                      f"{n_params / 1e6:.1f}M", f"{flops * B * L / dt / peak:.1%}" if peak else "-"])
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
@@ -616,9 +585,8 @@ def rel_err(a, ref) -> float:
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
     """The compulsory HBM bytes of the layer's region (in_proj's output to out_proj's input): each
     pass reads its inputs and writes its outputs once, the fp32 parameters and gradients too."""
-    T = batch_size * seq_len
-    H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
-    row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z|x|B|C|dd_dt|dd_A|trap|angle
+    T, H, N = batch_size * seq_len, cfg.n_heads, cfg.d_state
+    row = 2 * cfg.d_inner + 2 * cfg.ngroups * N + 3 * H + cfg.n_angles  # z|x|B|C|dt|A|trap|angle
     inputs, output = T * row * act_bytes, T * cfg.d_inner * act_bytes
     params = 4 * (H + 2 * N + 2 * H * N + H)  # dt_bias, B/C norm weights, B/C biases, D
     return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
@@ -642,30 +610,26 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
     def outputs(impl, dtype):
         x = u.detach().requires_grad_()
         y = forward_backward(mixer, x, dy, impl, dtype, reset)
-        grads = {n: p.grad.float() for n, p in mixer.named_parameters()}
-        return {"y": y.detach().float(), "u": x.grad.float()} | grads
+        return {"y": y.detach(), "u": x.grad} | {n: p.grad for n, p in mixer.named_parameters()}
 
     ref, ours = outputs("torch", "fp32"), outputs("triton", dtype)
-    theirs = outputs("torch", dtype) if dtype != "fp32" else None
+    low = outputs("torch", dtype) if dtype != "fp32" else None  # the torch path in bf16
     rows = []
     for name, r in ref.items():
-        tol = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"]
-        errors = [None, rel_err(ours[name], r), None]
-        if theirs:
-            errors[::2] = rel_err(theirs[name], r), rel_err(ours[name], theirs[name])
-        ok = bool(torch.isfinite(ours[name]).all()) and max(e or 0 for e in errors[1:]) <= tol
-        rows.append((name, tuple(r.shape), *errors, tol, ok))
+        tol, e = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"], rel_err(ours[name], r)
+        e0, e2 = (rel_err(low[name], r), rel_err(ours[name], low[name])) if low else (None, None)
+        ok = bool(torch.isfinite(ours[name]).all()) and max(e, e2 or 0) <= tol
+        rows.append((name, tuple(r.shape), e0, e, e2, tol, ok))
     return rows
 
 
 def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
     """Median seconds of a forward + backward of the layer in bf16 autocast on each scan path (and
     of the official layer, if given), and of its two projections alone, to subtract."""
-    u = u.detach().requires_grad_()
-    B, L, _ = u.shape
+    u, (B, L, d) = u.detach().requires_grad_(), u.shape
     g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
-    da = torch.ones(B, L, mixer.in_proj.out_features, device=u.device, dtype=torch.bfloat16)
-    dout = torch.ones(*u.shape, device=u.device, dtype=torch.bfloat16)
+    da, dout = (torch.ones(B, L, n, device=u.device, dtype=torch.bfloat16)
+                for n in (mixer.in_proj.out_features, d))
 
     def projections():
         mixer.zero_grad(set_to_none=True)
@@ -731,8 +695,13 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 def official_on_gpu(official: Path, cfg, u, dy):
     """The official layer of cfg's widths from the checkout at `official` (its own kernels), after
-    a forward and backward; None, said why, if it does not run."""
+    a forward and backward, its autotuners taking their first config (234 would not finish in ten
+    minutes); None, said why, if it does not run."""
+    from triton.runtime.autotuner import Autotuner
+
     sys.modules.setdefault("mamba_ssm", official_package(official))
+    prune = Autotuner.prune_configs
+    mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1]).start()
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
 
@@ -741,15 +710,6 @@ def official_on_gpu(official: Path, cfg, u, dy):
         return theirs
     except Exception as e:  # a contender that does not run is a finding: shown, then the rest
         say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
-
-
-def first_config_only():
-    """`with first_config_only():` every Triton autotuner takes its first config and times none
-    (the official kernels' tuners would try 234 and not finish in ten minutes)."""
-    from triton.runtime.autotuner import Autotuner
-
-    prune = Autotuner.prune_configs
-    return mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1])
 
 
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
@@ -785,39 +745,6 @@ def gpu_resets(B: int, L: int):
     reset = torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < 1 / 200
     reset[:, 0] = False
     return reset.cuda()
-
-
-def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
-    """check_layer's tables in bf16 without and with resets and in fp32, into out["checks"]."""
-    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
-            "passed")
-    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
-    for dtype, reset in [("bf16", None), ("bf16", gpu_resets(*u.shape[:2])), ("fp32", None)]:
-        what = dtype + (" with resets" if reset is not None else "")
-        rows = check_layer(mixer, u, dy, dtype, reset)
-        print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
-                    "tensor, ref the float32 torch path", [k.replace("_", " ") for k in keys],
-                    [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
-                      "pass" if ok else "[red]FAIL[/red]"]
-                     for name, s, e0, e1, e2, tol, ok in rows])
-        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
-        done(f"check {what}")
-
-
-def gpu_train(child, deadline: float, out: dict):
-    """The training run's figures once it has the GPU, into out["train"] (or its error)."""
-    ready = out["train_ready"]
-    run = out["train"] = ready if "error" in ready else child_says(child, deadline, go=True)
-    if "error" in run:
-        say(run["error"])
-        out["failed"].append("training run")
-        return
-    print_table(f"the 440m preset, torch.compile on, random tokens, {run['tokens_per_step']:,} "
-                f"tokens a step: {run['steps']} steps after 2 of warm-up",
-                ["tokens/s", "ms/step", "MFU", "peak memory GB", "compile + warm-up s"],
-                [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
-                  f"{run['mfu']:.1%}" if run["mfu"] else "-", f"{run['peak_memory_gb']:.1f}",
-                  f"{ready['ready']:.0f}"]])
 
 
 @app.command()
@@ -864,27 +791,49 @@ def gpu(
     u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
     shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
     out = {"machine": machine(), "triton": triton.__version__, "shape": shape, "checks": {},
-           "elapsed_s": {}}
+           "elapsed_s": {}, "failed": []}
 
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
         say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
 
-    if not official:
-        gpu_checks(mixer, u, dy, shape, out, done)
+    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
+            "passed")
+    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+    for dtype, reset in [] if official else [("bf16", None), ("bf16", gpu_resets(B, L)),
+                                             ("fp32", None)]:
+        what = dtype + (" with resets" if reset is not None else "")
+        rows = check_layer(mixer, u, dy, dtype, reset)
+        print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
+                    "tensor, ref the float32 torch path", [k.replace("_", " ") for k in keys],
+                    [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
+                      "pass" if ok else "[red]FAIL[/red]"]
+                     for name, s, e0, e1, e2, tol, ok in rows])
+        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
+        out["failed"] += [] if all(row[-1] for row in rows) else [what]
+        done(f"check {what}")
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
-    with first_config_only() if official else contextlib.nullcontext():
-        theirs = official_on_gpu(official, cfg, u, dy) if official else None
-        out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
+    theirs = official_on_gpu(official, cfg, u, dy) if official else None
+    out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
     done("layer timings")
     del mixer, u, dy, theirs
     torch.cuda.empty_cache()
-    out["failed"] = [what for what, rows in out["checks"].items()
-                     if not all(r["passed"] for r in rows)]
-    if child:
-        gpu_train(child, deadline, out)
+    if child:  # the training run's figures, once it has the GPU
+        ready = out["train_ready"]
+        run = out["train"] = ready if "error" in ready else child_says(child, deadline, go=True)
+        if "error" in run:
+            say(run["error"])
+            out["failed"].append("training run")
+        else:
+            print_table(f"the 440m preset, torch.compile on, random tokens, "
+                        f"{run['tokens_per_step']:,} tokens a step: {run['steps']} steps after 2 "
+                        "of warm-up", ["tokens/s", "ms/step", "MFU", "peak memory GB",
+                                       "compile + warm-up s"],
+                        [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
+                          f"{run['mfu']:.1%}" if run["mfu"] else "-",
+                          f"{run['peak_memory_gb']:.1f}", f"{ready['ready']:.0f}"]])
         done("training run")
     # the launch config each kernel's tuner chose in this process, by kernel and shape
     out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K._TUNED.items()]
