@@ -4,12 +4,11 @@
     python bench.py data      # the data loader vs a raw copy of the same windows; prepare.py
     python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
     python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
-    python bench.py memory    # training state per rank with DDP and --fsdp; a step's peak memory
     python bench.py all       # kernels, data, ckpt and train
     python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
-contender alike. `bench.py compile|traffic` run tools/gpu_evidence.py (no GPU needed).
+contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
 """
 import bisect
 import contextlib
@@ -17,12 +16,9 @@ import dataclasses
 import enum
 import itertools
 import json
-import multiprocessing
 import os
 import platform
 import re
-import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -421,7 +417,7 @@ def ckpt(
     console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
 
 # -----------------------------------------------------------------------------
-# bench.py train and memory
+# bench.py train
 
 
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
@@ -483,58 +479,6 @@ def train_step(
                      f"{n_params / 1e6:.1f}M", f"{flops * B * L / dt / peak:.1%}" if peak else "-"])
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
                 ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
-    console.print(f"machine: {machine()}")
-
-
-def state_bytes(lm, world: int, fsdp: bool) -> int:
-    """Weights, gradients and AdamW's 2 moments per rank, 16 bytes a float32 weight; FSDP2 splits
-    each tensor's rows into `world` equal chunks, the last one padded."""
-    return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
-                    for p in lm.parameters())
-
-
-def peak_added(rank: int, port: int, args: list, peaks):
-    """One rank as torchrun starts it, running train.py `args`: the memory it adds, into peaks."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with contextlib.suppress(SystemExit):
-        train.app(args)
-    peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
-
-
-@app.command()
-def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, measured step.")):
-    """Training state per rank with DDP and with --fsdp; a `small` step's peak on 2 CPU ranks.
-
-    The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
-    `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
-    rows = []
-    for name in PRESETS:
-        with torch.device("meta"):
-            lm = Mamba3LM(PRESETS[name])
-        group = max(sum(p.numel() for p in lm.blocks[0].parameters()), lm.embed.weight.numel())
-        sizes = [state_bytes(lm, 1, False)] + [state_bytes(lm, w, True) for w in (1, 2, 8)]
-        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"]
-                    + [f"{b / 1e9:.2f}" for b in sizes + [8 * group]])
-    print_table("parameters + gradients + AdamW moments per rank, GB, float32 (on top: "
-                "activations; with FSDP, the weights and gradients of the block or root gathered)",
-                ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
-                rows)
-    L, ctx, rows = train.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
-    args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
-            "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
-    for fsdp in (False, True):
-        with socket.socket() as s:  # a free port for the two to meet on
-            s.bind(("127.0.0.1", 0))
-            peaks, port = ctx.Array("d", 2), s.getsockname()[1]
-        ranks = [ctx.Process(target=peak_added, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
-                 for r in (0, 1)]
-        [p.start() for p in ranks], [p.join() for p in ranks]
-        rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
-    print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
     console.print(f"machine: {machine()}")
 
 # -----------------------------------------------------------------------------
@@ -856,9 +800,9 @@ def all_():
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
 
 
-# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (the same for traffic)
+# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (so traffic and memory)
 passed_on = dict(allow_extra_args=True, ignore_unknown_options=True, help_option_names=[])
-for tool in ("compile", "traffic"):
+for tool in ("compile", "traffic", "memory"):
     @app.command(tool, help=f"python tools/gpu_evidence.py {tool}: see its --help.",
                  context_settings=passed_on)
     def run(ctx: typer.Context):
