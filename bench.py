@@ -1,11 +1,7 @@
 """Benchmarks for mamba3-lite: throughput against baselines run in the same process.
 
-    python bench.py kernels   # the Mamba-3 scan: every ssd path vs a minimal-SSD baseline
-    python bench.py data      # the data loader vs a raw copy of the same windows; prepare.py
-    python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
-    python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
-    python bench.py all       # kernels, data, ckpt and train
-    python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
+    python bench.py kernels   # or data, ckpt, train: the scan, the loader, checkpoints, steps
+    python bench.py all       # those four; gpu (on a CUDA GPU): the Triton layer, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
 contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
@@ -42,7 +38,6 @@ import ckpt as C
 import data as D
 import kernels as K
 import train
-from data import cli_errors
 from model import PRESETS, Mamba3LM, Mamba3Mixer, bf16_native, peak_flops, pick_device
 
 # (markdown: the help joins each paragraph's lines and wraps them at the terminal's width)
@@ -83,8 +78,8 @@ def timed(fn, n: int = 1) -> float:
 
 
 def time_interleaved(fns: dict, reps: int, warmup: int = 1, n: int = 1) -> dict:
-    """Median seconds per call of each fn (timed n calls at a time), round-robin so that load
-    slows all alike; the first `warmup` rounds untimed."""
+    """Median seconds per call of each fn, n calls timed at a time, in `warmup` untimed rounds and
+    then `reps` rounds of all of them in turn, so that load slows all alike."""
     times = {name: [] for name in fns}
     for _ in range(warmup + reps):
         for name, fn in fns.items():
@@ -163,7 +158,7 @@ def kernels(
     The defaults are a CPU-sized problem; the 440m layer on a GPU is
     **--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16**."""
     B, L, H, P, N, C = batch_size, seq_len, heads, headdim, d_state, chunk_size
-    with cli_errors(ValueError):
+    with D.cli_errors(ValueError):
         dev = pick_device(device)
         if L % C:
             raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
@@ -219,13 +214,6 @@ def window_pieces(shards, shard_starts, s, n):
     return out
 
 
-def python_lists_batch(shards, shard_starts, starts, L):
-    # a loader that finds each window's shards and stitches them through Python lists
-    pieces = [window_pieces(shards, shard_starts, s, L + 1) for s in starts]
-    rows = [sum((shard[lo:hi].tolist() for shard, lo, hi, _ in p), []) for p in pieces]
-    return torch.tensor([r[:-1] for r in rows]), torch.tensor([r[1:] for r in rows])
-
-
 def copy_windows(pieces, B, L):
     # each window's pieces (addresses found in advance) copied into a fresh (B, L+1) int64 buffer
     g = np.empty((B, L + 1), np.int64)
@@ -247,39 +235,36 @@ def bench_loaders(path, files, L, B, reps, per_call):
     W = (starts[-1] - 1) // L
     n = min(W // B, (reps + 2) * per_call)
 
-    def contender(seed, batch_fn, addresses=False):
+    def contender(seed, batch_fn, prepare=lambda ids: (ids * L).tolist()):  # window ids -> starts
         # Each its own random windows (a permutation, as the loader draws them): windows another
-        # contender has just copied would be cache-warm, and flatter it.
-        order = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)  # window ids
-        batches = [(o * L).tolist() for o in order]  # window starts
-        if addresses:  # found in advance, outside the timer
-            batches = [[window_pieces(shards, starts, s, L + 1) for s in b] for b in batches]
-        todo = itertools.cycle(zip(order, batches))
-        return lambda: batch_fn(*next(todo))
+        # contender has just copied would be cache-warm, and flatter it. prepare: outside the timer.
+        ids = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)
+        batches = itertools.cycle([prepare(b) for b in ids])
+        return lambda: batch_fn(next(batches))
 
     # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
     if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = np.lib.stride_tricks.as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
-        limit = contender(1, lambda ids, _: view[ids].astype(np.int64))
+        limit = contender(1, lambda ids: view[ids].astype(np.int64), lambda ids: ids)
     else:  # many files: one slice copy per piece of a window, converting as it copies
-        limit = contender(1, lambda _, pieces: copy_windows(pieces, B, L), addresses=True)
+        limit = contender(1, lambda pieces: copy_windows(pieces, B, L), lambda ids: [
+            window_pieces(shards, starts, s, L + 1) for s in (ids * L).tolist()])
     # As train.py does, arm the check of each file's token ids at its first read: it runs once per
     # file, so the steady state pays nothing for it; its one-time cost is timed here.
     D.check_vocab(source, 1 << 16)
     check = timed(lambda: source.windows(np.arange(W), L))  # every window, so every file, once
     loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))  # each batch dropped, as in training
-    # The slow baselines run in a group of their own: their garbage would land on whoever follows.
-    slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, starts, s, L))}
-    if len(files) == 1:
-        slow["nanoGPT get_batch"] = contender(4, lambda _, s: nanogpt_get_batch(files[0], s, L))
     times = time_interleaved({"limit": limit, "data.Batches": lambda: next(loader)}, reps,
                              n=per_call)
-    return times | time_interleaved(slow, max(3, reps // 10), n=per_call), check
+    if len(files) == 1:  # the slow baseline in a group of its own: its garbage would land on others
+        slow = contender(4, lambda starts: nanogpt_get_batch(files[0], starts, L))
+        times |= time_interleaved({"nanoGPT get_batch": slow}, max(3, reps // 10), n=per_call)
+    return times, check
 
 
 def time_prepare(out: Path, tokenizer: str, workers: int):
-    """(tokens, seconds, manifest) of `python prepare.py` on the demo corpus, as users run it; the
-    seconds are prepare.py's own report (reading, tokenizing, writing: not Python's start)."""
+    """(tokens, seconds, stats) of `python prepare.py` on the demo corpus, as users run it, timed
+    by its own report (reading, tokenizing, writing: not Python's start)."""
     cmd = [sys.executable, "prepare.py", "--tokenizer", tokenizer, "--workers", str(workers),
            "--val-fraction", "0.01", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -288,7 +273,7 @@ def time_prepare(out: Path, tokenizer: str, workers: int):
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(split["tokens"] for split in manifest["splits"].values())
     tokens_per_s = float(re.search(r"([\d,]+)\s+tokens/s", done.stdout)[1].replace(",", ""))
-    return tokens, tokens / tokens_per_s, manifest
+    return tokens, tokens / tokens_per_s, manifest["stats"]
 
 
 def bench_prepare(out: Path):
@@ -297,9 +282,8 @@ def bench_prepare(out: Path):
         try:
             for workers in (1, 2):  # best of two: the first run also warms the page cache
                 runs = [time_prepare(out, tokenizer, workers) for _ in range(2)]
-                n, best, manifest = min(runs, key=lambda run: run[1])
+                n, best, stats = min(runs, key=lambda run: run[1])
                 if tokenizer == "byte":  # a token a byte, and an EOS a document
-                    stats = manifest["stats"]
                     files, size = stats["input_files"], n - stats["documents"]
                 rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}",
                              f"{size / best / 1e6:.1f}"])
@@ -325,9 +309,8 @@ def data(
 ):
     """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
 
-    One core, warm page cache. The limit: the same windows copied into a fresh int64 (B, L+1)
-    buffer, their addresses found outside the timer; baselines nanoGPT's get_batch and Python
-    lists. Then prepare.py on the demo corpus, 1 and 2 workers, byte and (with its BPE) gpt2."""
+    One core, warm page cache; the limit copies the windows into a fresh int64 (B, L+1) buffer,
+    their addresses found untimed. Then prepare.py on the demo corpus: 1, 2 workers, byte, gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
@@ -346,9 +329,7 @@ def data(
             t, check = bench_loaders(path, files, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
-                      f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"]
-                     for name in ("limit", "data.Batches", "nanoGPT get_batch", "Python lists")
-                     if name in t]
+                      f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"] for name in t]
         print_table(f"data loader  B{B} L{L} random windows, warm page cache, 1 core",
                     ["stream", "loader", "M tokens/s", "us/batch", "vs limit"], rows)
         console.print("the token-id check's one-time cost (every window read once, so every file "
@@ -371,8 +352,8 @@ def ckpt(
 ):
     """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
 
-    On CPU. bare + fsync (bare, then both files fsynced) is what durability alone costs; ckpt.save
-    adds the sha256 of both files, the directory's fsync and the atomic renames."""
+    On CPU. bare + fsync is what durability alone costs; ckpt.save adds the sha256 of both files,
+    the directory's fsync and the atomic renames."""
     torch.manual_seed(0)
     n = max(1, round(params / 2048**2))
     net = (Mamba3LM(PRESETS[model]) if model
@@ -385,21 +366,19 @@ def ckpt(
     with tempfile.TemporaryDirectory(dir=workdir) as d:
         files, written = (os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")), []
 
-        def bare_save():  # save_model: safetensors' save_file, a tied tensor (a preset's) once
+        def bare_save(durable=False):  # save_model: save_file, a tied tensor (a preset's) once
             save_model(net, files[0])
             torch.save({"optimizer": opt.state_dict()}, files[1])
-
-        def durable_save():  # bare, then what any crash-safe save must add: both files on the disk
-            bare_save()
-            for path in files:
+            for path in files if durable else ():  # what any crash-safe save must add
                 D.fsync(path)
 
         def bare_load():
             load_model(net, files[0])
             opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
 
-        saves = time_interleaved({"bare": bare_save, "fsync": durable_save, "ckpt": lambda:
-                                  written.append(C.save(d, 1, net, opt, {"bench": True}))}, reps)
+        save = lambda: written.append(C.save(d, 1, net, opt, {"bench": True}))  # noqa: E731
+        saves = time_interleaved({"bare": bare_save, "fsync": lambda: bare_save(True),
+                                  "ckpt": save}, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(p) for p in written[-1][:2])  # the weights, the optimizer state
     ratio = lambda t, of: f"{t['ckpt'] / t[of]:.2f}x" if of in t else ""  # noqa: E731
@@ -413,15 +392,15 @@ def ckpt(
                 ["", "bare s", "bare + fsync s", "ckpt s", "ckpt / bare", "ckpt / (bare + fsync)",
                  "bare GB/s", "ckpt GB/s"], rows)
     console.print("save target: ckpt / bare <= 1.30x (bare + fsync is the floor of any save that "
-                  "survives a crash, set by the disk)")
-    console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
+                  f"survives a crash, set by the disk)\nmachine: {machine()}, checkpoint dir on "
+                  f"{workdir or tempfile.gettempdir()}")
 
 # -----------------------------------------------------------------------------
 # bench.py train
 
 
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
-    """(model, step): preset `name`, and one AdamW step (as train.py sets it) of `accum` micro
+    """(model, step): preset `name` and one AdamW step, as train.py sets it, of `accum` micro
     batches of its recipe on random tokens."""
     B, L = train.RECIPES[name]["batch_size"], train.RECIPES[name]["seq_len"]
     vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
@@ -451,11 +430,9 @@ def train_step(
     compile: Optional[bool] = typer.Option(
         None, "--compile/--no-compile", help="torch.compile the model (default: on for CUDA)."),
 ):
-    """Tokens/s, ms/step and MFU of training steps per preset.
-
-    One micro batch of the preset's recipe per step; warm-up and compilation are not timed. A preset
-    that runs out of memory is reported as not fitting."""
-    with cli_errors(ValueError):
+    """Tokens/s, ms/step and MFU of training steps per preset, one micro batch of its recipe a
+    step; warm-up and compilation untimed; a preset that runs out of memory does not fit."""
+    with D.cli_errors(ValueError):
         dev = pick_device(device)
     dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
@@ -468,15 +445,15 @@ def train_step(
             lm, step = training(name, dev, autocast, compile_)
             for _ in range(warmup):
                 step()
-            dt, n_params, flops = timed(step, steps), lm.num_params(), lm.flops_per_token(L)
+            dt = timed(step, steps)
+            mfu = f"{lm.flops_per_token(L) * B * L / dt / peak:.1%}" if peak else "-"
+            rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
+                         f"{lm.num_params() / 1e6:.1f}M", mfu])
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
-            continue
         finally:
             lm = step = None
             torch.cuda.empty_cache()  # (a no-op without CUDA)
-        rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
-                     f"{n_params / 1e6:.1f}M", f"{flops * B * L / dt / peak:.1%}" if peak else "-"])
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
                 ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
     console.print(f"machine: {machine()}")
@@ -591,17 +568,16 @@ def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
 
 
 def train_child(steps: int, accum: int):
-    """bench.py gpu's training run, a process of its own started first so that torch.compile's
-    minutes overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed
-    steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
+    """bench.py gpu's 440m training run, in a process started first so that torch.compile's minutes
+    overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed steps, then,
+    once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
     lm, step = training("440m", "cuda", torch.autocast("cuda", dtype=torch.bfloat16), True, accum)
-    L = train.RECIPES["440m"]["seq_len"]
-    tokens = accum * train.RECIPES["440m"]["batch_size"] * L
+    L, B = train.RECIPES["440m"]["seq_len"], train.RECIPES["440m"]["batch_size"]
     tell = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
     tell(ready=2 * timed(step, 2))  # compilation, allocation
     sys.stdin.readline()
     torch.cuda.reset_peak_memory_stats()
-    dt, peak = timed(step, steps), peak_flops(torch.cuda.get_device_name())
+    dt, peak, tokens = timed(step, steps), peak_flops(torch.cuda.get_device_name()), accum * B * L
     tell(steps=steps, tokens_per_step=tokens, tok_per_s=tokens / dt, ms_per_step=dt * 1e3,
          peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
          mfu=lm.flops_per_token(L) * tokens / dt / peak if peak else None)
@@ -617,11 +593,10 @@ def start_train_child(steps: int, accum: int):
 
 
 def child_says(child, deadline: float, go: bool = False) -> dict:
-    """The next "BENCH" line of train_child (after telling it to go on, with go), or {"error": ...}
-    when it exits or the deadline passes first (then it is stopped)."""
+    """train_child's next "BENCH" line (told to go on first, with go), or {"error": ...} when it
+    exits or the deadline passes first (then it is stopped)."""
     if go:
-        child.stdin.write("go\n")
-        child.stdin.flush()
+        print("go", file=child.stdin, flush=True)
     timer = threading.Timer(max(0.0, deadline - time.monotonic()), child.kill)
     timer.start()
     try:
@@ -638,14 +613,14 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths from the checkout at `official` (its own kernels), after
-    a forward and backward, its autotuners taking their first config (234 would not finish in ten
-    minutes); None, said why, if it does not run."""
+    """The official layer of cfg's widths from the checkout at `official`, after a forward and
+    backward on its own kernels; None, said why, if it does not run."""
     from triton.runtime.autotuner import Autotuner
 
-    sys.modules.setdefault("mamba_ssm", official_package(official))
+    # from here on every Triton autotuner takes its first config: theirs would try 234, for hours
     prune = Autotuner.prune_configs
-    mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1]).start()
+    Autotuner.prune_configs = lambda tuner, kwargs: prune(tuner, kwargs)[:1]
+    sys.modules.setdefault("mamba_ssm", official_package(official))
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
 
@@ -657,14 +632,14 @@ def official_on_gpu(official: Path, cfg, u, dy):
 
 
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
-    """time_layer's table: each path's layer, and its region (the layer minus its projections)
-    against the HBM roofline of the region's compulsory bytes. Returns the figures."""
+    """time_layer's table and figures: each path's layer, and its region (the layer minus its
+    projections) against the HBM roofline of the region's compulsory bytes."""
     t, name = time_layer(mixer, u, dy, reps, official), torch.cuda.get_device_name()
     moved = sum(region_bytes(mixer.cfg, *u.shape[:2]).values())
     bw = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
     rows, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
                          "hbm_bytes_per_s": bw}
-    for path in ("torch", "triton") + (("official",) if official is not None else ()):
+    for path in [path for path in t if path != "projections"]:
         region = t[path] - t["projections"]
         roofline = moved / bw / region if bw and region > 0 else None
         figures[path] = {"layer_ms": t[path] * 1e3, "region_ms": region * 1e3, "roofline": roofline,
@@ -675,8 +650,7 @@ def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
                 ["scan path", "layer ms", "region ms (layer - projections)",
                  "layer speed-up vs torch", "region of HBM roofline"], rows)
     if official is not None:
-        console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
-                      "official layer's time")
+        say(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the official's time")
     at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
           else f"; no HBM bandwidth known for {name}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
@@ -689,6 +663,40 @@ def gpu_resets(B: int, L: int):
     reset = torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < 1 / 200
     reset[:, 0] = False
     return reset.cuda()
+
+
+def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
+    """check_layer's tables in bf16 without and with resets and in fp32, into out["checks"]."""
+    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
+            "passed")
+    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+    for dtype, reset in [("bf16", None), ("bf16", gpu_resets(*u.shape[:2])), ("fp32", None)]:
+        what = dtype + (" with resets" if reset is not None else "")
+        rows = check_layer(mixer, u, dy, dtype, reset)
+        print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
+                    "tensor, ref the float32 torch path", [k.replace("_", " ") for k in keys],
+                    [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
+                      "pass" if ok else "[red]FAIL[/red]"]
+                     for name, s, e0, e1, e2, tol, ok in rows])
+        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
+        out["failed"] += [] if all(row[-1] for row in rows) else [what]
+        done(f"check {what}")
+
+
+def gpu_train(child, deadline: float, out: dict):
+    """The training run's figures once it has the GPU, into out["train"] (or its error)."""
+    ready = out["train_ready"]
+    run = out["train"] = ready if "error" in ready else child_says(child, deadline, go=True)
+    if "error" in run:
+        say(run["error"])
+        out["failed"].append("training run")
+        return
+    print_table(f"the 440m preset, torch.compile on, random tokens, {run['tokens_per_step']:,} "
+                f"tokens a step: {run['steps']} steps after 2 of warm-up",
+                ["tokens/s", "ms/step", "MFU", "peak memory GB", "compile + warm-up s"],
+                [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
+                  f"{run['mfu']:.1%}" if run["mfu"] else "-", f"{run['peak_memory_gb']:.1f}",
+                  f"{ready['ready']:.0f}"]])
 
 
 @app.command()
@@ -706,14 +714,12 @@ def gpu(
         None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: instead of the "
         "checks, time its Mamba-3 SISO layer beside ours (its autotuners: their first config)."),
 ):
-    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; a 440m training run.
-
-    Within five minutes on an H200, start-up included: one 440m layer's output and gradients on
-    the Triton path against the float32 torch path (bf16 without and with resets, fp32); its
-    forward + backward time on both paths and against the HBM roofline; steps of the 440m preset,
+    """On a CUDA GPU, within five minutes of an H200: a 440m layer's output and gradients on the
+    Triton path against the float32 torch path (bf16, bf16 with resets, fp32), its forward +
+    backward time on both paths and against the HBM roofline, then steps of the 440m preset,
     compiled (started first, to overlap the checks). --official DIR: the timings, theirs too."""
     t0 = time.monotonic()
-    with cli_errors(ValueError):
+    with D.cli_errors(ValueError):
         if not torch.cuda.is_available():
             raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here; without one, "
                              "python tools/gpu_evidence.py compile shows what a GPU's compiler "
@@ -722,8 +728,6 @@ def gpu(
         if total_batch_size % 16384:
             raise ValueError(f"--total-batch-size {total_batch_size} must be a multiple of 16384 "
                              "(8 x 2048, one micro batch of the 440m recipe)")
-    import triton
-
     child = None
     if train_steps and not official:  # first: its compilation overlaps the checks
         child = start_train_child(train_steps, total_batch_size // 16384)
@@ -734,28 +738,15 @@ def gpu(
     mixer = Mamba3Mixer(cfg).cuda()
     u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
     shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
-    out = {"machine": machine(), "triton": triton.__version__, "shape": shape, "checks": {},
+    out = {"machine": machine(), "triton": K.triton.__version__, "shape": shape, "checks": {},
            "elapsed_s": {}, "failed": []}
 
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
         say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
 
-    keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
-            "passed")
-    e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
-    for dtype, reset in [] if official else [("bf16", None), ("bf16", gpu_resets(B, L)),
-                                             ("fp32", None)]:
-        what = dtype + (" with resets" if reset is not None else "")
-        rows = check_layer(mixer, u, dy, dtype, reset)
-        print_table(f"one 440m mixer layer, {shape}, {what}: max |a - ref| / max |ref| per "
-                    "tensor, ref the float32 torch path", [k.replace("_", " ") for k in keys],
-                    [[name, "x".join(map(str, s)), e(e0), e(e1), e(e2), f"{tol:.0e}",
-                      "pass" if ok else "[red]FAIL[/red]"]
-                     for name, s, e0, e1, e2, tol, ok in rows])
-        out["checks"][what] = [dict(zip(keys, row)) for row in rows]
-        out["failed"] += [] if all(row[-1] for row in rows) else [what]
-        done(f"check {what}")
+    if not official:
+        gpu_checks(mixer, u, dy, shape, out, done)
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
@@ -764,27 +755,15 @@ def gpu(
     done("layer timings")
     del mixer, u, dy, theirs
     torch.cuda.empty_cache()
-    if child:  # the training run's figures, once it has the GPU
-        ready = out["train_ready"]
-        run = out["train"] = ready if "error" in ready else child_says(child, deadline, go=True)
-        if "error" in run:
-            say(run["error"])
-            out["failed"].append("training run")
-        else:
-            print_table(f"the 440m preset, torch.compile on, random tokens, "
-                        f"{run['tokens_per_step']:,} tokens a step: {run['steps']} steps after 2 "
-                        "of warm-up", ["tokens/s", "ms/step", "MFU", "peak memory GB",
-                                       "compile + warm-up s"],
-                        [[f"{run['tok_per_s']:,.0f}", f"{run['ms_per_step']:.0f}",
-                          f"{run['mfu']:.1%}" if run["mfu"] else "-",
-                          f"{run['peak_memory_gb']:.1f}", f"{ready['ready']:.0f}"]])
+    if child:
+        gpu_train(child, deadline, out)
         done("training run")
     # the launch config each kernel's tuner chose in this process, by kernel and shape
     out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K._TUNED.items()]
     if json_path:
         json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     failed = f"; FAILED: {', '.join(out['failed'])}" if out["failed"] else ""
-    console.print(f"machine: {machine()}, triton {triton.__version__}{failed}")
+    console.print(f"machine: {machine()}, triton {out['triton']}{failed}")
     if out["failed"]:
         raise typer.Exit(1)
 
