@@ -7,7 +7,6 @@ Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy 
 contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
 """
 import bisect
-import contextlib
 import dataclasses
 import enum
 import itertools
@@ -78,8 +77,7 @@ def timed(fn, n: int = 1) -> float:
 
 
 def time_interleaved(fns: dict, reps: int, warmup: int = 1, n: int = 1) -> dict:
-    """Median seconds per call of each fn, n calls timed at a time, in `warmup` untimed rounds and
-    then `reps` rounds of all of them in turn, so that load slows all alike."""
+    """Median seconds per call of each fn, n calls a timing, round-robin so load slows all alike."""
     times = {name: [] for name in fns}
     for _ in range(warmup + reps):
         for name, fn in fns.items():
@@ -153,10 +151,8 @@ def kernels(
     reps: int = typer.Option(25, min=1, help="Interleaved repetitions per path."),
     recurrent: bool = typer.Option(True, help="Also time the token-by-token recurrence (slow)."),
 ):
-    """The scan: fwd and fwd+bwd time of every available ssd path vs a minimal-SSD baseline.
-
-    The defaults are a CPU-sized problem; the 440m layer on a GPU is
-    **--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16**."""
+    """The scan: fwd and fwd+bwd time of every ssd path vs a minimal-SSD baseline (the 440m layer on
+    a GPU: **--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16**)."""
     B, L, H, P, N, C = batch_size, seq_len, heads, headdim, d_state, chunk_size
     with D.cli_errors(ValueError):
         dev = pick_device(device)
@@ -176,7 +172,6 @@ def kernels(
             fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
             fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
         return time_interleaved(fns, reps, warmup)
-
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
     times = timings({base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
                      "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}, reps)
@@ -224,8 +219,7 @@ def copy_windows(pieces, B, L):
 
 
 def bench_loaders(path, files, L, B, reps, per_call):
-    """Seconds per batch of each loader on the stream at `path` (a file or a shard directory), and
-    the one-time cost of data.py's check of the token ids."""
+    """Seconds per batch of each loader on the stream at `path`; the token-id check's once-cost."""
     shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
     starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
     source = D.open_tokens(path)
@@ -241,7 +235,6 @@ def bench_loaders(path, files, L, B, reps, per_call):
         ids = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)
         batches = itertools.cycle([prepare(b) for b in ids])
         return lambda: batch_fn(next(batches))
-
     # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
     if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = np.lib.stride_tricks.as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
@@ -263,8 +256,7 @@ def bench_loaders(path, files, L, B, reps, per_call):
 
 
 def time_prepare(out: Path, tokenizer: str, workers: int):
-    """(tokens, seconds, stats) of `python prepare.py` on the demo corpus, as users run it, timed
-    by its own report (reading, tokenizing, writing: not Python's start)."""
+    """(tokens, seconds by its own report: not Python's start, stats) of prepare.py on the demo."""
     cmd = [sys.executable, "prepare.py", "--tokenizer", tokenizer, "--workers", str(workers),
            "--val-fraction", "0.01", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -307,10 +299,8 @@ def data(
     workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a "
                                            "temporary directory, removed afterwards)."),
 ):
-    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
-
-    One core, warm page cache; the limit copies the windows into a fresh int64 (B, L+1) buffer,
-    their addresses found untimed. Then prepare.py on the demo corpus: 1, 2 workers, byte, gpt2."""
+    """The loader's tokens/s on random windows, one core, vs a raw copy of them into a fresh int64
+    (B, L+1) buffer (addresses found untimed); prepare.py on the demo corpus, byte and gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
@@ -350,10 +340,8 @@ def ckpt(
     reps: int = typer.Option(7, min=1, help="Interleaved repetitions."),
     workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure."),
 ):
-    """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
-
-    On CPU. bare + fsync is what durability alone costs; ckpt.save adds the sha256 of both files,
-    the directory's fsync and the atomic renames."""
+    """ckpt.save / ckpt.load vs bare safetensors + torch.save of the model and AdamW state, on CPU;
+    bare + fsync is durability alone, ckpt.save adds the sha256s, renames and directory fsyncs."""
     torch.manual_seed(0)
     n = max(1, round(params / 2048**2))
     net = (Mamba3LM(PRESETS[model]) if model
@@ -371,11 +359,9 @@ def ckpt(
             torch.save({"optimizer": opt.state_dict()}, files[1])
             for path in files if durable else ():  # what any crash-safe save must add
                 D.fsync(path)
-
         def bare_load():
             load_model(net, files[0])
             opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
-
         save = lambda: written.append(C.save(d, 1, net, opt, {"bench": True}))  # noqa: E731
         saves = time_interleaved({"bare": bare_save, "fsync": lambda: bare_save(True),
                                   "ckpt": save}, reps)
@@ -400,8 +386,7 @@ def ckpt(
 
 
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
-    """(model, step): preset `name` and one AdamW step, as train.py sets it, of `accum` micro
-    batches of its recipe on random tokens."""
+    """(model, step): preset `name`, and an AdamW step of `accum` micro batches of random tokens."""
     B, L = train.RECIPES[name]["batch_size"], train.RECIPES[name]["seq_len"]
     vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
     torch.manual_seed(0)
@@ -461,9 +446,9 @@ def train_step(
 # -----------------------------------------------------------------------------
 # bench.py gpu
 
-# Max |a - ref| / max |ref| of the layer's output and of every gradient against the float32 torch
-# path: bf16 keeps 8 bits of mantissa (4e-3 a rounding) and a layer rounds often; fp32's products
-# are tf32 (11 bits: the interpreter's tf32 shows 1.3e-3 for y, up to 5e-3 for gradients).
+# Max |a - ref| / max |ref| of y and every gradient against the float32 torch path: bf16 keeps 8
+# bits of mantissa (4e-3 a rounding), a layer rounds often; fp32's products are tf32 (11 bits: the
+# interpreter's tf32 shows 1.3e-3 for y, up to 5e-3 for gradients).
 GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 1e-2, "gradients": 2e-2}}
 GPU_BUDGET_S = 300  # bench.py gpu, start-up included: the GPU check must fit what a lent GPU allows
 # Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins,
@@ -517,7 +502,7 @@ def forward_backward(module, u, dy, impl=None, dtype="bf16", reset=None):
     """One forward and backward of module on u (a leaf) on scan path impl, in autocast to dtype."""
     module.zero_grad(set_to_none=True)
     u.grad = None
-    with scan_impl(impl) if impl else contextlib.nullcontext():
+    with scan_impl(impl or ""):  # MAMBA3_IMPL "" is as unset
         with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
             y = module(u) if reset is None else module(u, reset=reset)
         y.backward(dy)
@@ -532,7 +517,6 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
         x = u.detach().requires_grad_()
         y = forward_backward(mixer, x, dy, impl, dtype, reset)
         return {"y": y.detach(), "u": x.grad} | {n: p.grad for n, p in mixer.named_parameters()}
-
     ref, ours = outputs("torch", "fp32"), outputs("triton", dtype)
     low = outputs("torch", dtype) if dtype != "fp32" else None  # the torch path in bf16
     rows = []
@@ -545,8 +529,7 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
 
 
 def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
-    """Median seconds of a forward + backward of the layer in bf16 autocast on each scan path (and
-    of the official layer, if given), and of its two projections alone, to subtract."""
+    """Median seconds of a bf16 forward + backward: each scan path, `official`, the projections."""
     u, (B, L, d) = u.detach().requires_grad_(), u.shape
     g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
     da, dout = (torch.ones(B, L, n, device=u.device, dtype=torch.bfloat16)
@@ -558,7 +541,6 @@ def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
         with torch.autocast(u.device.type, dtype=torch.bfloat16):
             a, out = mixer.in_proj(u), mixer.out_proj(g)
         torch.autograd.backward([a, out], [da, dout])
-
     fns = {impl: lambda impl=impl: forward_backward(mixer, u, dy, impl)
            for impl in ("torch", "triton")}
     fns["projections"] = projections
@@ -613,17 +595,14 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths from the checkout at `official`, after a forward and
-    backward on its own kernels; None, said why, if it does not run."""
+    """The official layer of cfg's widths, run once on its kernels; None, said why, if it fails."""
     from triton.runtime.autotuner import Autotuner
-
-    # from here on every Triton autotuner takes its first config: theirs would try 234, for hours
+    # from here on every Triton autotuner takes its first config (theirs: 234, not done in 10 min)
     prune = Autotuner.prune_configs
     Autotuner.prune_configs = lambda tuner, kwargs: prune(tuner, kwargs)[:1]
     sys.modules.setdefault("mamba_ssm", official_package(official))
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
-
         theirs = official_layer(Mamba3, cfg, device="cuda")
         forward_backward(theirs, u, dy)
         return theirs
@@ -632,8 +611,7 @@ def official_on_gpu(official: Path, cfg, u, dy):
 
 
 def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
-    """time_layer's table and figures: each path's layer, and its region (the layer minus its
-    projections) against the HBM roofline of the region's compulsory bytes."""
+    """time_layer's table and figures: the layer, and its region against its bytes' HBM roofline."""
     t, name = time_layer(mixer, u, dy, reps, official), torch.cuda.get_device_name()
     moved = sum(region_bytes(mixer.cfg, *u.shape[:2]).values())
     bw = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
@@ -744,7 +722,6 @@ def gpu(
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
         say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
-
     if not official:
         gpu_checks(mixer, u, dy, shape, out, done)
     if child:
