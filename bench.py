@@ -6,7 +6,6 @@
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
 contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
 """
-import bisect
 import dataclasses
 import enum
 import itertools
@@ -14,7 +13,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,7 +80,7 @@ def time_interleaved(fns: dict, reps: int, warmup: int = 1, n: int = 1) -> dict:
     for _ in range(warmup + reps):
         for name, fn in fns.items():
             times[name].append(timed(fn, n))
-    return {name: statistics.median(ts[warmup:]) for name, ts in times.items()}
+    return {name: float(np.median(ts[warmup:])) for name, ts in times.items()}
 
 
 def print_table(title: str, columns: list, rows: list):
@@ -200,7 +198,7 @@ def nanogpt_get_batch(path, starts, L):
 
 def window_pieces(shards, shard_starts, s, n):
     """[(shard, lo, hi, column)] covering tokens [s, s + n) of the shards' stream."""
-    k, done, out = bisect.bisect_right(shard_starts, s) - 1, 0, []
+    k, done, out = int(np.searchsorted(shard_starts, s, side="right")) - 1, 0, []
     while done < n:
         lo = s + done - shard_starts[k]
         hi = min(len(shards[k]), lo + n - done)
@@ -528,27 +526,6 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
     return rows
 
 
-def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
-    """Median seconds of a bf16 forward + backward: each scan path, `official`, the projections."""
-    u, (B, L, d) = u.detach().requires_grad_(), u.shape
-    g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
-    da, dout = (torch.ones(B, L, n, device=u.device, dtype=torch.bfloat16)
-                for n in (mixer.in_proj.out_features, d))
-
-    def projections():
-        mixer.zero_grad(set_to_none=True)
-        u.grad = g.grad = None
-        with torch.autocast(u.device.type, dtype=torch.bfloat16):
-            a, out = mixer.in_proj(u), mixer.out_proj(g)
-        torch.autograd.backward([a, out], [da, dout])
-    fns = {impl: lambda impl=impl: forward_backward(mixer, u, dy, impl)
-           for impl in ("torch", "triton")}
-    fns["projections"] = projections
-    if official is not None:
-        fns["official"] = lambda: forward_backward(official, u, dy)
-    return time_interleaved(fns, reps, warmup=2)
-
-
 def train_child(steps: int, accum: int):
     """bench.py gpu's 440m training run, in a process started first so that torch.compile's minutes
     overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed steps, then,
@@ -610,9 +587,27 @@ def official_on_gpu(official: Path, cfg, u, dy):
         say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
 
 
-def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
-    """time_layer's table and figures: the layer, and its region against its bytes' HBM roofline."""
-    t, name = time_layer(mixer, u, dy, reps, official), torch.cuda.get_device_name()
+def layer_times(mixer, u, dy, reps: int, official=None, shape: str = "") -> dict:
+    """Medians of a bf16 forward + backward of the layer on each scan path (and of `official`), and
+    of its two projections alone: each path's layer and region (the difference) against the HBM
+    roofline of the region's compulsory bytes, as a table and as figures."""
+    u, (B, L, d) = u.detach().requires_grad_(), u.shape
+    g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
+    da, dout = (torch.ones(B, L, n, device=u.device, dtype=torch.bfloat16)
+                for n in (mixer.in_proj.out_features, d))
+
+    def projections():
+        mixer.zero_grad(set_to_none=True)
+        u.grad = g.grad = None
+        with torch.autocast(u.device.type, dtype=torch.bfloat16):
+            a, out = mixer.in_proj(u), mixer.out_proj(g)
+        torch.autograd.backward([a, out], [da, dout])
+    fns = {"torch": lambda: forward_backward(mixer, u, dy, "torch"), "projections": projections,
+           "triton": lambda: forward_backward(mixer, u, dy, "triton")}
+    if official is not None:
+        fns["official"] = lambda: forward_backward(official, u, dy)
+    t = time_interleaved(fns, reps, warmup=2)
+    name = torch.cuda.get_device_name() if u.is_cuda else "this CPU"
     moved = sum(region_bytes(mixer.cfg, *u.shape[:2]).values())
     bw = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
     rows, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
@@ -699,9 +694,8 @@ def gpu(
     t0 = time.monotonic()
     with D.cli_errors(ValueError):
         if not torch.cuda.is_available():
-            raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here; without one, "
-                             "python tools/gpu_evidence.py compile shows what a GPU's compiler "
-                             "makes of the kernels")
+            raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here (without one, "
+                             "python tools/gpu_evidence.py compile shows the GPU's binaries)")
         check_official(official)
         if total_batch_size % 16384:
             raise ValueError(f"--total-batch-size {total_batch_size} must be a multiple of 16384 "
