@@ -157,12 +157,11 @@ def kernels(
         if L % C:
             raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
                              "baseline")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    xqk = rand(B, L, H, P), rand(B, L, H, N) * N**-0.5, rand(B, L, H, N) * N**-0.5
+    torch.manual_seed(0)
+    xqk = torch.randn(B, L, H, P), *torch.randn(2, B, L, H, N) * N**-0.5
     inputs = [t.to(dev, TORCH_DTYPE[dtype]).requires_grad_() for t in xqk]  # log_a, gamma, beta:
-    inputs += [(s * rand(B, L, H).abs()).to(dev).requires_grad_() for s in (-0.1, 0.05, 0.05)]
-    dy = rand(B, L, H, P).to(dev, inputs[0].dtype)
+    inputs += [(s * torch.randn(B, L, H).abs()).to(dev).requires_grad_() for s in (-0.1, .05, .05)]
+    dy = torch.randn(B, L, H, P).to(dev, inputs[0].dtype)
 
     def timings(paths: dict, reps: int, warmup: int = 1) -> dict:
         fns = {}
@@ -365,10 +364,9 @@ def ckpt(
                                   "ckpt": save}, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
         size = sum(os.path.getsize(p) for p in written[-1][:2])  # the weights, the optimizer state
-    ratio = lambda t, of: f"{t['ckpt'] / t[of]:.2f}x" if of in t else ""  # noqa: E731
-    rows = [[what, f"{t['bare']:.2f}", f"{t['fsync']:.2f}" if "fsync" in t else "",
-             f"{t['ckpt']:.2f}", ratio(t, "bare"), ratio(t, "fsync"),
-             f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"]
+    rows = [[what] + [f"{t[k]:.2f}" if k in t else "" for k in ("bare", "fsync", "ckpt")]
+            + [f"{t['ckpt'] / t[k]:.2f}x" if k in t else "" for k in ("bare", "fsync")]
+            + [f"{size / t[k] / 1e9:.2f}" for k in ("bare", "ckpt")]
             for what, t in (("save", saves), ("load", loads))]
     print_table(f"checkpoint of {sum(p.numel() for p in net.parameters()) / 1e6:.0f}M params "
                 f"({f'{model} preset' if model else 'Linear stack'}) + AdamW state: "
