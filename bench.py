@@ -714,6 +714,7 @@ def gpu(
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
         say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
+
     if not official:
         gpu_checks(mixer, u, dy, shape, out, done)
     if child:
