@@ -1,28 +1,18 @@
 """Benchmarks for mamba3-lite: throughput against baselines run in the same process.
 
-    python bench.py kernels   # the Mamba-3 scan: every ssd path vs a minimal-SSD baseline
-    python bench.py data      # the data loader vs a raw copy of the same windows; prepare.py
-    python bench.py ckpt      # checkpoint save/load vs bare safetensors + torch.save
-    python bench.py train     # tokens/s, ms/step and MFU of a few training steps per preset
-    python bench.py memory    # training state per rank with DDP and --fsdp; a step's peak memory
-    python bench.py all       # kernels, data, ckpt and train
-    python bench.py gpu       # on a GPU: the Triton layer's accuracy and speed, then train.py
+    python bench.py kernels   # or data, ckpt, train: the scan, the loader, checkpoints, steps
+    python bench.py all       # those four; gpu (on a CUDA GPU): the Triton layer, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
-contender alike. `bench.py compile|traffic` run tools/gpu_evidence.py (no GPU needed).
+contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
 """
-import bisect
-import contextlib
 import dataclasses
 import enum
+import itertools
 import json
-import multiprocessing
 import os
 import platform
 import re
-import resource
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,10 +29,12 @@ import torch.nn.functional as F
 import typer
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import load_model, save_model
 
+import ckpt as C
+import data as D
 import kernels as K
 import train
-from data import cli_errors
 from model import PRESETS, Mamba3LM, Mamba3Mixer, bf16_native, peak_flops, pick_device
 
 # (markdown: the help joins each paragraph's lines and wraps them at the terminal's width)
@@ -82,16 +74,13 @@ def timed(fn, n: int = 1) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def time_interleaved(fns: dict, reps: int, warmup: int = 1) -> dict:
-    """Median seconds per call of each fn, running them round-robin so load affects all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+def time_interleaved(fns: dict, reps: int, warmup: int = 1, n: int = 1) -> dict:
+    """Median seconds per call of each fn, n calls a timing, round-robin so load slows all alike."""
     times = {name: [] for name in fns}
-    for _ in range(reps):
+    for _ in range(warmup + reps):
         for name, fn in fns.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(timed(fn, n))
+    return {name: float(np.median(ts[warmup:])) for name, ts in times.items()}
 
 
 def print_table(title: str, columns: list, rows: list):
@@ -121,9 +110,8 @@ def segsum_minimal(a):
 
 def ssd_minimal(x, q, k, log_a, trapezoid, chunk_size):
     """The baseline: a Mamba-2-paper-style minimal SSD (segsum masks and four einsums) with
-    Mamba-3's trapezoid = (gamma, beta): weights w_s = gamma_s + beta_{s+1}, and the gamma
-    diagonal. No initial state; L must be a multiple of chunk_size."""
-    (gamma, beta), C = trapezoid, chunk_size
+    Mamba-3's trapezoid = (gamma, beta): weights w_s = gamma_s + beta_{s+1}, the gamma diagonal."""
+    (gamma, beta), C = trapezoid, chunk_size  # no initial state; L a multiple of C
     B, L, H, P = x.shape
     c = L // C
     w = gamma + F.pad(beta[:, 1:], (0, 0, 0, 1))
@@ -161,45 +149,35 @@ def kernels(
     reps: int = typer.Option(25, min=1, help="Interleaved repetitions per path."),
     recurrent: bool = typer.Option(True, help="Also time the token-by-token recurrence (slow)."),
 ):
-    """The scan: fwd and fwd+bwd time of every available ssd path vs a minimal-SSD baseline.
-
-    The defaults are a CPU-sized problem; the 440m layer on a GPU is
-    **--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16**."""
+    """The scan: fwd and fwd+bwd time of every ssd path vs a minimal-SSD baseline (the 440m layer on
+    a GPU: **--batch-size 8 --seq-len 2048 --heads 32 --d-state 128 --dtype bf16**)."""
     B, L, H, P, N, C = batch_size, seq_len, heads, headdim, d_state, chunk_size
-    with cli_errors(ValueError):
+    with D.cli_errors(ValueError):
         dev = pick_device(device)
         if L % C:
             raise ValueError(f"--seq-len {L} must be a multiple of --chunk-size {C} for the "
                              "baseline")
-    g = torch.Generator(device="cpu").manual_seed(0)
+    torch.manual_seed(0)
+    xqk = torch.randn(B, L, H, P), *torch.randn(2, B, L, H, N) * N**-0.5
+    inputs = [t.to(dev, TORCH_DTYPE[dtype]).requires_grad_() for t in xqk]  # log_a, gamma, beta:
+    inputs += [(s * torch.randn(B, L, H).abs()).to(dev).requires_grad_() for s in (-0.1, .05, .05)]
+    dy = torch.randn(B, L, H, P).to(dev, inputs[0].dtype)
 
-    def make(*shape, scale=1.0, sign=0, dtype=TORCH_DTYPE[dtype]):  # sign +-1: t.abs() * sign
-        t = torch.randn(*shape, generator=g) * scale
-        return (t.abs() * sign if sign else t).to(device=dev, dtype=dtype).requires_grad_()
-
-    x, q, k = make(B, L, H, P), make(B, L, H, N, scale=N**-0.5), make(B, L, H, N, scale=N**-0.5)
-    log_a, gamma, beta = (make(B, L, H, scale=scale, sign=sign, dtype=torch.float32)
-                          for scale, sign in ((0.1, -1), (0.05, 1), (0.05, 1)))
-    inputs = (x, q, k, log_a, gamma, beta)
-    dy = torch.randn(B, L, H, P, generator=g).to(device=dev, dtype=x.dtype)
+    def timings(paths: dict, reps: int, warmup: int = 1) -> dict:
+        fns = {}
+        for name, fn in paths.items():  # fwd+bwd by autograd.grad: no .grad accumulation timed
+            fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
+            fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
+        return time_interleaved(fns, reps, warmup)
     base, rec = "minimal SSD (baseline)", "recurrent (oracle)"
-    paths = {base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
-             "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}
-    if recurrent:
-        paths[rec] = lambda *t: K.ssd(*t, impl="recurrent")
-    fns = {}
-    for name, fn in paths.items():  # fwd+bwd by autograd.grad: no .grad accumulation in the timing
-        fns[name, "fwd"] = lambda fn=fn: torch.no_grad()(fn)(*inputs)
-        fns[name, "fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*inputs)[0], inputs, dy)
-    times = time_interleaved({key: f for key, f in fns.items() if key[0] != rec}, reps)
+    times = timings({base: lambda *t: ssd_minimal(*t[:4], t[4:], C),  # t[4:]: (gamma, beta)
+                     "torch (chunked)": lambda *t: K.ssd(*t, chunk_size=C, impl="torch")}, reps)
     if recurrent:  # the slow one in a group of its own, fewer times
-        slow = {key: f for key, f in fns.items() if key[0] == rec}
-        times |= time_interleaved(slow, max(3, reps // 5), warmup=0)
-    rows = [[name, f"{times[name, 'fwd'] * 1e3:.2f}", f"{times[name, 'fwd+bwd'] * 1e3:.2f}",
-             f"{times[name, 'fwd'] / times[base, 'fwd']:.2f}x",
-             f"{times[name, 'fwd+bwd'] / times[base, 'fwd+bwd']:.2f}x",
-             f"{times[rec, 'fwd+bwd'] / times[name, 'fwd+bwd']:.0f}x" if recurrent else "-"]
-            for name in paths]
+        times |= timings({rec: lambda *t: K.ssd(*t, impl="recurrent")}, max(3, reps // 5), 0)
+    fwd, both = ({name: t for (name, p), t in times.items() if p == k} for k in ("fwd", "fwd+bwd"))
+    rows = [[name, f"{fwd[name] * 1e3:.2f}", f"{both[name] * 1e3:.2f}",
+             f"{fwd[name] / fwd[base]:.2f}x", f"{both[name] / both[base]:.2f}x",
+             f"{both[rec] / both[name]:.0f}x" if recurrent else "-"] for name in fwd]
     print_table(f"ssd  B{B} L{L} H{H} P{P} N{N} C{C} {dtype} on {dev}",
                 ["path", "fwd ms", "fwd+bwd ms", "fwd vs baseline", "fwd+bwd vs baseline",
                  "faster than recurrence"], rows)
@@ -219,21 +197,13 @@ def nanogpt_get_batch(path, starts, L):
 
 def window_pieces(shards, shard_starts, s, n):
     """[(shard, lo, hi, column)] covering tokens [s, s + n) of the shards' stream."""
-    k, done, out = bisect.bisect_right(shard_starts, s) - 1, 0, []
+    k, done, out = int(np.searchsorted(shard_starts, s, side="right")) - 1, 0, []
     while done < n:
         lo = s + done - shard_starts[k]
         hi = min(len(shards[k]), lo + n - done)
         out.append((shards[k], lo, hi, done))
-        done += hi - lo
-        k += 1
+        done, k = done + hi - lo, k + 1
     return out
-
-
-def python_lists_batch(shards, shard_starts, starts, L):
-    # a loader that finds each window's shards and stitches them through Python lists
-    pieces = [window_pieces(shards, shard_starts, s, L + 1) for s in starts]
-    rows = [sum((shard[lo:hi].tolist() for shard, lo, hi, _ in p), []) for p in pieces]
-    return torch.tensor([r[:-1] for r in rows]), torch.tensor([r[1:] for r in rows])
 
 
 def copy_windows(pieces, B, L):
@@ -246,10 +216,7 @@ def copy_windows(pieces, B, L):
 
 
 def bench_loaders(path, files, L, B, reps, per_call):
-    """Seconds per batch of each loader on the stream at `path` (a file or a shard directory), and
-    the one-time cost of data.py's check of the token ids."""
-    import data as D
-
+    """Seconds per batch of each loader on the stream at `path`; the token-id check's once-cost."""
     shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
     starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
     source = D.open_tokens(path)
@@ -259,50 +226,34 @@ def bench_loaders(path, files, L, B, reps, per_call):
     W = (starts[-1] - 1) // L
     n = min(W // B, (reps + 2) * per_call)
 
-    def contender(seed, batch_fn, addresses=False):
+    def contender(seed, batch_fn, prepare=lambda ids: (ids * L).tolist()):  # window ids -> starts
         # Each its own random windows (a permutation, as the loader draws them): windows another
-        # contender has just copied would be cache-warm, and flatter it.
-        order = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)  # window ids
-        batches = [(o * L).tolist() for o in order]  # window starts
-        if addresses:  # found in advance, outside the timer
-            batches = [[window_pieces(shards, starts, s, L + 1) for s in b] for b in batches]
-        i = 0
-
-        def run():
-            nonlocal i
-            for _ in range(per_call):
-                i = (i + 1) % n
-                batch_fn(order[i], batches[i])
-        return run
-
+        # contender has just copied would be cache-warm, and flatter it. prepare: outside the timer.
+        ids = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)
+        batches = itertools.cycle([prepare(b) for b in ids])
+        return lambda: batch_fn(next(batches))
     # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
     if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = np.lib.stride_tricks.as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
-        limit = contender(1, lambda ids, _: view[ids].astype(np.int64))
+        limit = contender(1, lambda ids: view[ids].astype(np.int64), lambda ids: ids)
     else:  # many files: one slice copy per piece of a window, converting as it copies
-        limit = contender(1, lambda _, pieces: copy_windows(pieces, B, L), addresses=True)
+        limit = contender(1, lambda pieces: copy_windows(pieces, B, L), lambda ids: [
+            window_pieces(shards, starts, s, L + 1) for s in (ids * L).tolist()])
     # As train.py does, arm the check of each file's token ids at its first read: it runs once per
     # file, so the steady state pays nothing for it; its one-time cost is timed here.
     D.check_vocab(source, 1 << 16)
     check = timed(lambda: source.windows(np.arange(W), L))  # every window, so every file, once
-    loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))
-
-    def batches():  # like a training loop, each batch is dropped before the next is taken
-        for _ in range(per_call):
-            next(loader)
-
-    # The slow baselines run in a group of their own: their garbage would land on whoever follows.
-    slow = {"Python lists": contender(3, lambda _, s: python_lists_batch(shards, starts, s, L))}
-    if len(files) == 1:
-        slow["nanoGPT get_batch"] = contender(4, lambda _, s: nanogpt_get_batch(files[0], s, L))
-    times = time_interleaved({"limit": limit, "data.Batches": batches}, reps)
-    times |= time_interleaved(slow, max(3, reps // 10))
-    return {name: t / per_call for name, t in times.items()}, check
+    loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))  # each batch dropped, as in training
+    times = time_interleaved({"limit": limit, "data.Batches": lambda: next(loader)}, reps,
+                             n=per_call)
+    if len(files) == 1:  # the slow baseline in a group of its own: its garbage would land on others
+        slow = contender(4, lambda starts: nanogpt_get_batch(files[0], starts, L))
+        times |= time_interleaved({"nanoGPT get_batch": slow}, max(3, reps // 10), n=per_call)
+    return times, check
 
 
 def time_prepare(out: Path, tokenizer: str, workers: int):
-    """(tokens, seconds, manifest) of `python prepare.py` on the demo corpus, as users run it; the
-    seconds are prepare.py's own report (reading, tokenizing, writing: not Python's start)."""
+    """(tokens, seconds by its own report: not Python's start, stats) of prepare.py on the demo."""
     cmd = [sys.executable, "prepare.py", "--tokenizer", tokenizer, "--workers", str(workers),
            "--val-fraction", "0.01", "--out-dir", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -311,7 +262,7 @@ def time_prepare(out: Path, tokenizer: str, workers: int):
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(split["tokens"] for split in manifest["splits"].values())
     tokens_per_s = float(re.search(r"([\d,]+)\s+tokens/s", done.stdout)[1].replace(",", ""))
-    return tokens, tokens / tokens_per_s, manifest
+    return tokens, tokens / tokens_per_s, manifest["stats"]
 
 
 def bench_prepare(out: Path):
@@ -320,9 +271,8 @@ def bench_prepare(out: Path):
         try:
             for workers in (1, 2):  # best of two: the first run also warms the page cache
                 runs = [time_prepare(out, tokenizer, workers) for _ in range(2)]
-                n, best, manifest = min(runs, key=lambda run: run[1])
+                n, best, stats = min(runs, key=lambda run: run[1])
                 if tokenizer == "byte":  # a token a byte, and an EOS a document
-                    stats = manifest["stats"]
                     files, size = stats["input_files"], n - stats["documents"]
                 rows.append([tokenizer, workers, f"{n:,}", f"{best:.2f}", f"{n / best / 1e6:.2f}",
                              f"{size / best / 1e6:.1f}"])
@@ -346,11 +296,8 @@ def data(
     workdir: Optional[Path] = typer.Option(None, help="Where the token files go (default: a "
                                            "temporary directory, removed afterwards)."),
 ):
-    """The data loader's tokens/s on random windows vs a raw copy of the same windows; prepare.py.
-
-    One core, warm page cache. The limit: the same windows copied into a fresh int64 (B, L+1)
-    buffer, their addresses found outside the timer; baselines nanoGPT's get_batch and Python
-    lists. Then prepare.py on the demo corpus, 1 and 2 workers, byte and (with its BPE) gpt2."""
+    """The loader's tokens/s on random windows, one core, vs a raw copy of them into a fresh int64
+    (B, L+1) buffer (addresses found untimed); prepare.py on the demo corpus, byte and gpt2."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a loader feeds the GPU from one core (restored below, for `all`)
     B, L = batch_size, seq_len
@@ -363,18 +310,13 @@ def data(
         files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
         for k, f in enumerate(files):
             stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-        del stream
-        for f in [one] + files:  # into the page cache
-            f.read_bytes()
         streams = {f"one {tokens / 1e6:g}M-token file": (one, [one]),
                    f"{len(files):,} files of {shard_tokens:,} tokens": (shards, files)}
         for label, (path, files) in streams.items():
             t, check = bench_loaders(path, files, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
-                      f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"]
-                     for name in ("limit", "data.Batches", "nanoGPT get_batch", "Python lists")
-                     if name in t]
+                      f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"] for name in t]
         print_table(f"data loader  B{B} L{L} random windows, warm page cache, 1 core",
                     ["stream", "loader", "M tokens/s", "us/batch", "vs limit"], rows)
         console.print("the token-id check's one-time cost (every window read once, so every file "
@@ -395,13 +337,8 @@ def ckpt(
     reps: int = typer.Option(7, min=1, help="Interleaved repetitions."),
     workdir: Optional[Path] = typer.Option(None, help="A directory on the disk to measure."),
 ):
-    """ckpt.save / ckpt.load vs bare safetensors save_file + torch.save of the state, AdamW's too.
-
-    On CPU. bare + fsync (bare, then both files fsynced) is what durability alone costs; ckpt.save
-    adds the sha256 of both files, the directory's fsync and the atomic renames."""
-    import ckpt as C
-    from safetensors.torch import load_model, save_model
-
+    """ckpt.save / ckpt.load vs bare safetensors + torch.save of the model and AdamW state, on CPU;
+    bare + fsync is durability alone, ckpt.save adds the sha256s, renames and directory fsyncs."""
     torch.manual_seed(0)
     n = max(1, round(params / 2048**2))
     net = (Mamba3LM(PRESETS[model]) if model
@@ -414,48 +351,38 @@ def ckpt(
     with tempfile.TemporaryDirectory(dir=workdir) as d:
         files, written = (os.path.join(d, "bare.safetensors"), os.path.join(d, "bare.pt")), []
 
-        def bare_save():  # save_model: safetensors' save_file, a tied tensor (a preset's) once
+        def bare_save(durable=False):  # save_model: save_file, a tied tensor (a preset's) once
             save_model(net, files[0])
             torch.save({"optimizer": opt.state_dict()}, files[1])
-
-        def durable_save():  # bare, then what any crash-safe save must add: both files on the disk
-            bare_save()
-            for path in files:
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-
+            for path in files if durable else ():  # what any crash-safe save must add
+                D.fsync(path)
         def bare_load():
             load_model(net, files[0])
             opt.load_state_dict(torch.load(files[1], weights_only=True)["optimizer"])
-
-        def ckpt_save():
-            written[:] = C.save(d, 1, net, opt, {"bench": True})
-
-        saves = {"bare": bare_save, "fsync": durable_save, "ckpt": ckpt_save}
-        saves = time_interleaved(saves, reps)
+        save = lambda: written.append(C.save(d, 1, net, opt, {"bench": True}))  # noqa: E731
+        saves = time_interleaved({"bare": bare_save, "fsync": lambda: bare_save(True),
+                                  "ckpt": save}, reps)
         loads = time_interleaved({"bare": bare_load, "ckpt": lambda: C.load(d, 1, net, opt)}, reps)
-        size = sum(os.path.getsize(p) for p in written[:2])  # the weights and the optimizer state
-    ratio = lambda t, of: f"{t['ckpt'] / t[of]:.2f}x" if of in t else ""  # noqa: E731
-    rows = [[what, f"{t['bare']:.2f}", f"{t['fsync']:.2f}" if "fsync" in t else "",
-             f"{t['ckpt']:.2f}", ratio(t, "bare"), ratio(t, "fsync"),
-             f"{size / t['bare'] / 1e9:.2f}", f"{size / t['ckpt'] / 1e9:.2f}"]
+        size = sum(os.path.getsize(p) for p in written[-1][:2])  # the weights, the optimizer state
+    rows = [[what] + [f"{t[k]:.2f}" if k in t else "" for k in ("bare", "fsync", "ckpt")]
+            + [f"{t['ckpt'] / t[k]:.2f}x" if k in t else "" for k in ("bare", "fsync")]
+            + [f"{size / t[k] / 1e9:.2f}" for k in ("bare", "ckpt")]
             for what, t in (("save", saves), ("load", loads))]
-    what = f"{model} preset" if model else "Linear stack"
     print_table(f"checkpoint of {sum(p.numel() for p in net.parameters()) / 1e6:.0f}M params "
-                f"({what}) + AdamW state: {size / 1e9:.2f} GB, medians of {reps}",
+                f"({f'{model} preset' if model else 'Linear stack'}) + AdamW state: "
+                f"{size / 1e9:.2f} GB, medians of {reps}",
                 ["", "bare s", "bare + fsync s", "ckpt s", "ckpt / bare", "ckpt / (bare + fsync)",
                  "bare GB/s", "ckpt GB/s"], rows)
     console.print("save target: ckpt / bare <= 1.30x (bare + fsync is the floor of any save that "
-                  "survives a crash, set by the disk)")
-    console.print(f"machine: {machine()}, checkpoint dir on {workdir or tempfile.gettempdir()}")
+                  f"survives a crash, set by the disk)\nmachine: {machine()}, checkpoint dir on "
+                  f"{workdir or tempfile.gettempdir()}")
 
 # -----------------------------------------------------------------------------
-# bench.py train and memory
+# bench.py train
 
 
 def training(name: str, dev: str, autocast, compile_: bool, accum: int = 1):
-    """(model, step): preset `name`, and one AdamW step (as train.py sets it) of `accum` micro
-    batches of its recipe on random tokens."""
+    """(model, step): preset `name`, and an AdamW step of `accum` micro batches of random tokens."""
     B, L = train.RECIPES[name]["batch_size"], train.RECIPES[name]["seq_len"]
     vocab = 257 if name in ("tiny", "small") else 50257  # the byte-level demo corpus, GPT-2 BPE
     torch.manual_seed(0)
@@ -484,11 +411,9 @@ def train_step(
     compile: Optional[bool] = typer.Option(
         None, "--compile/--no-compile", help="torch.compile the model (default: on for CUDA)."),
 ):
-    """Tokens/s, ms/step and MFU of training steps per preset.
-
-    One micro batch of the preset's recipe per step; warm-up and compilation are not timed. A preset
-    that runs out of memory is reported as not fitting."""
-    with cli_errors(ValueError):
+    """Tokens/s, ms/step and MFU of training steps per preset, one micro batch of its recipe a
+    step; warm-up and compilation untimed; a preset that runs out of memory does not fit."""
+    with D.cli_errors(ValueError):
         dev = pick_device(device)
     dtype = ("bf16" if bf16_native(dev) else "fp32") if dtype == "auto" else dtype
     compile_ = dev == "cuda" if compile is None else compile
@@ -502,78 +427,24 @@ def train_step(
             for _ in range(warmup):
                 step()
             dt = timed(step, steps)
-            n_params, flops = lm.num_params(), lm.flops_per_token(L)
+            mfu = f"{lm.flops_per_token(L) * B * L / dt / peak:.1%}" if peak else "-"
+            rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
+                         f"{lm.num_params() / 1e6:.1f}M", mfu])
         except torch.cuda.OutOfMemoryError:
             rows.append([name, f"{B}x{L}", "does not fit", "", "", ""])
-            continue
         finally:
             lm = step = None
-            if dev == "cuda":
-                torch.cuda.empty_cache()
-        rows.append([name, f"{B}x{L}", f"{B * L / dt:,.0f}", f"{dt * 1e3:.0f}",
-                     f"{n_params / 1e6:.1f}M", f"{flops * B * L / dt / peak:.1%}" if peak else "-"])
+            torch.cuda.empty_cache()  # (a no-op without CUDA)
     print_table(f"training step on {dev} ({dtype}, compile {'on' if compile_ else 'off'})",
                 ["preset", "batch x seq", "tokens/s", "ms/step", "params", "MFU"], rows)
-    console.print(f"machine: {machine()}")
-
-
-def state_bytes(lm, world: int, fsdp: bool) -> int:
-    """Weights, gradients and AdamW's 2 moments per rank, 16 bytes a float32 weight; FSDP2 splits
-    each tensor's rows into `world` equal chunks, the last one padded."""
-    return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
-                    for p in lm.parameters())
-
-
-def peak_added(rank: int, port: int, args: list, peaks):
-    """One rank as torchrun starts it, running train.py `args`: the memory it adds, into peaks."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with contextlib.suppress(SystemExit):
-        train.app(args)
-    peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
-
-
-@app.command()
-def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, measured step.")):
-    """Training state per rank with DDP and with --fsdp; a `small` step's peak on 2 CPU ranks.
-
-    The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
-    `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
-    rows = []
-    for name in PRESETS:
-        with torch.device("meta"):
-            lm = Mamba3LM(PRESETS[name])
-        group = max(sum(p.numel() for p in lm.blocks[0].parameters()), lm.embed.weight.numel())
-        sizes = [state_bytes(lm, 1, False)] + [state_bytes(lm, w, True) for w in (1, 2, 8)]
-        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"]
-                    + [f"{b / 1e9:.2f}" for b in sizes + [8 * group]])
-    print_table("parameters + gradients + AdamW moments per rank, GB, float32 (on top: "
-                "activations; with FSDP, the weights and gradients of the block or root gathered)",
-                ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
-                rows)
-    L, ctx, rows = train.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
-    args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
-            "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
-    for fsdp in (False, True):
-        with socket.socket() as s:  # a free port for the two to meet on
-            s.bind(("127.0.0.1", 0))
-            peaks, port = ctx.Array("d", 2), s.getsockname()[1]
-        ranks = [ctx.Process(target=peak_added, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
-                 for r in (0, 1)]
-        [p.start() for p in ranks], [p.join() for p in ranks]
-        rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
-    print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
     console.print(f"machine: {machine()}")
 
 # -----------------------------------------------------------------------------
 # bench.py gpu
 
-# Max |a - ref| / max |ref| of the layer's output and of every gradient against the float32 torch
-# path: bf16 keeps 8 bits of mantissa (4e-3 a rounding) and a layer rounds often; fp32's products
-# are tf32 (11 bits: the interpreter's tf32 shows 1.3e-3 for y, up to 5e-3 for gradients).
+# Max |a - ref| / max |ref| of y and every gradient against the float32 torch path: bf16 keeps 8
+# bits of mantissa (4e-3 a rounding), a layer rounds often; fp32's products are tf32 (11 bits: the
+# interpreter's tf32 shows 1.3e-3 for y, up to 5e-3 for gradients).
 GPU_TOLERANCE = {"bf16": {"y": 3e-2, "gradients": 5e-2}, "fp32": {"y": 1e-2, "gradients": 2e-2}}
 GPU_BUDGET_S = 300  # bench.py gpu, start-up included: the GPU check must fit what a lent GPU allows
 # Peak HBM bandwidth, bytes/s, by a substring of torch.cuda.get_device_name() (the first match wins,
@@ -616,9 +487,8 @@ def rel_err(a, ref) -> float:
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
     """The compulsory HBM bytes of the layer's region (in_proj's output to out_proj's input): each
     pass reads its inputs and writes its outputs once, the fp32 parameters and gradients too."""
-    T = batch_size * seq_len
-    H, N, G = cfg.n_heads, cfg.d_state, cfg.ngroups
-    row = 2 * cfg.d_inner + 2 * G * N + 3 * H + cfg.n_angles  # z|x|B|C|dd_dt|dd_A|trap|angle
+    T, H, N = batch_size * seq_len, cfg.n_heads, cfg.d_state
+    row = 2 * cfg.d_inner + 2 * cfg.ngroups * N + 3 * H + cfg.n_angles  # z|x|B|C|dt|A|trap|angle
     inputs, output = T * row * act_bytes, T * cfg.d_inner * act_bytes
     params = 4 * (H + 2 * N + 2 * H * N + H)  # dt_bias, B/C norm weights, B/C biases, D
     return {"forward": inputs + output + params, "backward": 2 * inputs + output + 2 * params}
@@ -628,7 +498,7 @@ def forward_backward(module, u, dy, impl=None, dtype="bf16", reset=None):
     """One forward and backward of module on u (a leaf) on scan path impl, in autocast to dtype."""
     module.zero_grad(set_to_none=True)
     u.grad = None
-    with scan_impl(impl) if impl else contextlib.nullcontext():
+    with scan_impl(impl or ""):  # MAMBA3_IMPL "" is as unset
         with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
             y = module(u) if reset is None else module(u, reset=reset)
         y.backward(dy)
@@ -642,58 +512,29 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
     def outputs(impl, dtype):
         x = u.detach().requires_grad_()
         y = forward_backward(mixer, x, dy, impl, dtype, reset)
-        grads = {n: p.grad.float() for n, p in mixer.named_parameters()}
-        return {"y": y.detach().float(), "u": x.grad.float()} | grads
-
+        return {"y": y.detach(), "u": x.grad} | {n: p.grad for n, p in mixer.named_parameters()}
     ref, ours = outputs("torch", "fp32"), outputs("triton", dtype)
-    theirs = outputs("torch", dtype) if dtype != "fp32" else None
+    low = outputs("torch", dtype) if dtype != "fp32" else None  # the torch path in bf16
     rows = []
     for name, r in ref.items():
-        tol = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"]
-        errors = [None, rel_err(ours[name], r), None]
-        if theirs:
-            errors[::2] = rel_err(theirs[name], r), rel_err(ours[name], theirs[name])
-        ok = bool(torch.isfinite(ours[name]).all()) and max(e or 0 for e in errors[1:]) <= tol
-        rows.append((name, tuple(r.shape), *errors, tol, ok))
+        tol, e = GPU_TOLERANCE[dtype]["y" if name == "y" else "gradients"], rel_err(ours[name], r)
+        e0, e2 = (rel_err(low[name], r), rel_err(ours[name], low[name])) if low else (None, None)
+        ok = bool(torch.isfinite(ours[name]).all()) and max(e, e2 or 0) <= tol
+        rows.append((name, tuple(r.shape), e0, e, e2, tol, ok))
     return rows
 
 
-def time_layer(mixer, u, dy, reps: int, official=None) -> dict:
-    """Median seconds of a forward + backward of the layer in bf16 autocast on each scan path (and
-    of the official layer, if given), and of its two projections alone, to subtract."""
-    u = u.detach().requires_grad_()
-    B, L, _ = u.shape
-    g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
-    da = torch.ones(B, L, mixer.in_proj.out_features, device=u.device, dtype=torch.bfloat16)
-    dout = torch.ones(*u.shape, device=u.device, dtype=torch.bfloat16)
-
-    def projections():
-        mixer.zero_grad(set_to_none=True)
-        u.grad = g.grad = None
-        with torch.autocast(u.device.type, dtype=torch.bfloat16):
-            a, out = mixer.in_proj(u), mixer.out_proj(g)
-        torch.autograd.backward([a, out], [da, dout])
-
-    fns = {impl: lambda impl=impl: forward_backward(mixer, u, dy, impl)
-           for impl in ("torch", "triton")}
-    fns["projections"] = projections
-    if official is not None:
-        fns["official"] = lambda: forward_backward(official, u, dy)
-    return time_interleaved(fns, reps, warmup=2)
-
-
 def train_child(steps: int, accum: int):
-    """bench.py gpu's training run, a process of its own started first so that torch.compile's
-    minutes overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed
-    steps; then, once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
+    """bench.py gpu's 440m training run, in a process started first so that torch.compile's minutes
+    overlap the layer checks. Says "BENCH {json}" lines: {"ready": s} after two untimed steps, then,
+    once a line comes on stdin (the GPU is its own), the figures of `steps` more."""
     lm, step = training("440m", "cuda", torch.autocast("cuda", dtype=torch.bfloat16), True, accum)
-    L = train.RECIPES["440m"]["seq_len"]
-    tokens = accum * train.RECIPES["440m"]["batch_size"] * L
+    L, B = train.RECIPES["440m"]["seq_len"], train.RECIPES["440m"]["batch_size"]
     tell = lambda **figures: print("BENCH " + json.dumps(figures), flush=True)  # noqa: E731
     tell(ready=2 * timed(step, 2))  # compilation, allocation
     sys.stdin.readline()
     torch.cuda.reset_peak_memory_stats()
-    dt, peak = timed(step, steps), peak_flops(torch.cuda.get_device_name())
+    dt, peak, tokens = timed(step, steps), peak_flops(torch.cuda.get_device_name()), accum * B * L
     tell(steps=steps, tokens_per_step=tokens, tok_per_s=tokens / dt, ms_per_step=dt * 1e3,
          peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9,
          mfu=lm.flops_per_token(L) * tokens / dt / peak if peak else None)
@@ -709,11 +550,10 @@ def start_train_child(steps: int, accum: int):
 
 
 def child_says(child, deadline: float, go: bool = False) -> dict:
-    """The next "BENCH" line of train_child (after telling it to go on, with go), or {"error": ...}
-    when it exits or the deadline passes first (then it is stopped)."""
+    """train_child's next "BENCH" line (told to go on first, with go), or {"error": ...} when it
+    exits or the deadline passes first (then it is stopped)."""
     if go:
-        child.stdin.write("go\n")
-        child.stdin.flush()
+        print("go", file=child.stdin, flush=True)
     timer = threading.Timer(max(0.0, deadline - time.monotonic()), child.kill)
     timer.start()
     try:
@@ -730,12 +570,14 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
 
 
 def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths from the checkout at `official` (its own kernels), after
-    a forward and backward; None, said why, if it does not run."""
+    """The official layer of cfg's widths, run once on its kernels; None, said why, if it fails."""
+    from triton.runtime.autotuner import Autotuner
+    # from here on every Triton autotuner takes its first config (theirs: 234, not done in 10 min)
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda tuner, kwargs: prune(tuner, kwargs)[:1]
     sys.modules.setdefault("mamba_ssm", official_package(official))
     try:
         from mamba_ssm.modules.mamba3 import Mamba3
-
         theirs = official_layer(Mamba3, cfg, device="cuda")
         forward_backward(theirs, u, dy)
         return theirs
@@ -743,24 +585,32 @@ def official_on_gpu(official: Path, cfg, u, dy):
         say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
 
 
-def first_config_only():
-    """`with first_config_only():` every Triton autotuner takes its first config and times none
-    (the official kernels' tuners would try 234 and not finish in ten minutes)."""
-    from triton.runtime.autotuner import Autotuner
+def layer_times(mixer, u, dy, reps: int, official=None, shape: str = "") -> dict:
+    """Medians of a bf16 forward + backward of the layer on each scan path (and of `official`), and
+    of its two projections alone: each path's layer and region (the difference) against the HBM
+    roofline of the region's compulsory bytes, as a table and as figures."""
+    u, (B, L, d) = u.detach().requires_grad_(), u.shape
+    g = torch.randn(B, L, mixer.cfg.d_inner, device=u.device, requires_grad=True)  # into out_proj
+    da, dout = (torch.ones(B, L, n, device=u.device, dtype=torch.bfloat16)
+                for n in (mixer.in_proj.out_features, d))
 
-    prune = Autotuner.prune_configs
-    return mock.patch.object(Autotuner, "prune_configs", lambda tuner, kw: prune(tuner, kw)[:1])
-
-
-def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
-    """time_layer's table: each path's layer, and its region (the layer minus its projections)
-    against the HBM roofline of the region's compulsory bytes. Returns the figures."""
-    t, name = time_layer(mixer, u, dy, reps, official), torch.cuda.get_device_name()
+    def projections():
+        mixer.zero_grad(set_to_none=True)
+        u.grad = g.grad = None
+        with torch.autocast(u.device.type, dtype=torch.bfloat16):
+            a, out = mixer.in_proj(u), mixer.out_proj(g)
+        torch.autograd.backward([a, out], [da, dout])
+    fns = {"torch": lambda: forward_backward(mixer, u, dy, "torch"), "projections": projections,
+           "triton": lambda: forward_backward(mixer, u, dy, "triton")}
+    if official is not None:
+        fns["official"] = lambda: forward_backward(official, u, dy)
+    t = time_interleaved(fns, reps, warmup=2)
+    name = torch.cuda.get_device_name() if u.is_cuda else "this CPU"
     moved = sum(region_bytes(mixer.cfg, *u.shape[:2]).values())
     bw = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
     rows, figures = [], {"projections_ms": t["projections"] * 1e3, "region_bytes": moved,
                          "hbm_bytes_per_s": bw}
-    for path in ("torch", "triton") + (("official",) if official is not None else ()):
+    for path in [path for path in t if path != "projections"]:
         region = t[path] - t["projections"]
         roofline = moved / bw / region if bw and region > 0 else None
         figures[path] = {"layer_ms": t[path] * 1e3, "region_ms": region * 1e3, "roofline": roofline,
@@ -771,8 +621,7 @@ def layer_times(mixer, u, dy, reps: int, official, shape: str) -> dict:
                 ["scan path", "layer ms", "region ms (layer - projections)",
                  "layer speed-up vs torch", "region of HBM roofline"], rows)
     if official is not None:
-        console.print(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the "
-                      "official layer's time")
+        say(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the official's time")
     at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
           else f"; no HBM bandwidth known for {name}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
@@ -801,6 +650,7 @@ def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
                       "pass" if ok else "[red]FAIL[/red]"]
                      for name, s, e0, e1, e2, tol, ok in rows])
         out["checks"][what] = [dict(zip(keys, row)) for row in rows]
+        out["failed"] += [] if all(row[-1] for row in rows) else [what]
         done(f"check {what}")
 
 
@@ -835,24 +685,19 @@ def gpu(
         None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: instead of the "
         "checks, time its Mamba-3 SISO layer beside ours (its autotuners: their first config)."),
 ):
-    """On a CUDA GPU: the Triton path's accuracy and speed on a 440m layer; a 440m training run.
-
-    Within five minutes on an H200, start-up included: one 440m layer's output and gradients on
-    the Triton path against the float32 torch path (bf16 without and with resets, fp32); its
-    forward + backward time on both paths and against the HBM roofline; steps of the 440m preset,
+    """On a CUDA GPU, within five minutes of an H200: a 440m layer's output and gradients on the
+    Triton path against the float32 torch path (bf16, bf16 with resets, fp32), its forward +
+    backward time on both paths and against the HBM roofline, then steps of the 440m preset,
     compiled (started first, to overlap the checks). --official DIR: the timings, theirs too."""
     t0 = time.monotonic()
-    with cli_errors(ValueError):
+    with D.cli_errors(ValueError):
         if not torch.cuda.is_available():
-            raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here; without one, "
-                             "python tools/gpu_evidence.py compile shows what a GPU's compiler "
-                             "makes of the kernels")
+            raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here (without one, "
+                             "python tools/gpu_evidence.py compile shows the GPU's binaries)")
         check_official(official)
         if total_batch_size % 16384:
             raise ValueError(f"--total-batch-size {total_batch_size} must be a multiple of 16384 "
                              "(8 x 2048, one micro batch of the 440m recipe)")
-    import triton
-
     child = None
     if train_steps and not official:  # first: its compilation overlaps the checks
         child = start_train_child(train_steps, total_batch_size // 16384)
@@ -863,8 +708,8 @@ def gpu(
     mixer = Mamba3Mixer(cfg).cuda()
     u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
     shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
-    out = {"machine": machine(), "triton": triton.__version__, "shape": shape, "checks": {},
-           "elapsed_s": {}}
+    out = {"machine": machine(), "triton": K.triton.__version__, "shape": shape, "checks": {},
+           "elapsed_s": {}, "failed": []}
 
     def done(part):
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
@@ -875,14 +720,11 @@ def gpu(
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
-    with first_config_only() if official else contextlib.nullcontext():
-        theirs = official_on_gpu(official, cfg, u, dy) if official else None
-        out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
+    theirs = official_on_gpu(official, cfg, u, dy) if official else None
+    out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
     done("layer timings")
     del mixer, u, dy, theirs
     torch.cuda.empty_cache()
-    out["failed"] = [what for what, rows in out["checks"].items()
-                     if not all(r["passed"] for r in rows)]
     if child:
         gpu_train(child, deadline, out)
         done("training run")
@@ -891,7 +733,7 @@ def gpu(
     if json_path:
         json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     failed = f"; FAILED: {', '.join(out['failed'])}" if out["failed"] else ""
-    console.print(f"machine: {machine()}, triton {triton.__version__}{failed}")
+    console.print(f"machine: {machine()}, triton {out['triton']}{failed}")
     if out["failed"]:
         raise typer.Exit(1)
 
@@ -907,9 +749,9 @@ def all_():
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
 
 
-# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (the same for traffic)
+# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (so traffic and memory)
 passed_on = dict(allow_extra_args=True, ignore_unknown_options=True, help_option_names=[])
-for tool in ("compile", "traffic"):
+for tool in ("compile", "traffic", "memory"):
     @app.command(tool, help=f"python tools/gpu_evidence.py {tool}: see its --help.",
                  context_settings=passed_on)
     def run(ctx: typer.Context):

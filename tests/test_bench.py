@@ -127,10 +127,13 @@ def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
     cfg = dataclasses.replace(PRESETS["440m"], d_model=64)
     mixer, other = Mamba3Mixer(cfg), Mamba3Mixer(cfg)
     u, dy = torch.randn(1, 64, cfg.d_model), torch.randn(1, 64, cfg.d_model)
-    t = bench.time_layer(mixer, u, dy, reps=1, official=other)
-    assert set(t) == {"torch", "triton", "projections", "official"} and all(v > 0 for v in t.values())
+    paths = {"torch", "triton", "official"}
+    figures = bench.layer_times(mixer, u, dy, reps=1, official=other)
+    assert paths <= set(figures) and figures["projections_ms"] > 0
+    assert all(figures[path]["layer_ms"] > 0 for path in paths)
     assert other.in_proj.weight.grad is not None  # its forward and backward ran
-    assert set(bench.time_layer(mixer, u, dy, reps=1)) == {"torch", "triton", "projections"}
+    assert set(bench.layer_times(mixer, u, dy, reps=1)) == {"torch", "triton", "projections_ms", "region_bytes",
+                                                             "hbm_bytes_per_s"}
 
 
 

@@ -5,12 +5,14 @@
         --dtype fp32 --resets --triton-path /tmp/triton36   # every config, under two Tritons
     python tools/gpu_evidence.py compile --configs candidates  # the launch configs kernels.py tunes
     python tools/gpu_evidence.py traffic   # the bytes the fused mixer region moves, vs the minimum
+    python tools/gpu_evidence.py memory    # training state per GPU, DDP and --fsdp; a step's peak
 
 With --official DIR (a checkout of state-spaces/mamba), the official Mamba-3 kernels are shown
-beside ours. Both commands run a layer through Triton's interpreter on CPU tensors and reach into
-Triton's and torch's internals (the interpreter's loads and stores, the JIT's specializer, the
-active driver, the dispatcher): that is why they live here, apart from the benchmarks, and why a
-Triton upgrade may break them while it leaves the model alone.
+beside ours. compile and traffic run a layer through Triton's interpreter on CPU tensors and
+reach into Triton's and torch's internals (the interpreter's loads and stores, the JIT's
+specializer, the active driver, the dispatcher): that is why they live here, apart from the
+benchmarks, and why a Triton upgrade may break them while it leaves the model alone. memory
+predicts a GPU rank's training state from the shapes and measures a step's peak on 2 CPU ranks.
 """
 import collections
 import contextlib
@@ -19,8 +21,11 @@ import enum
 import importlib
 import io
 import json
+import multiprocessing
 import os
 import re
+import resource
+import socket
 import subprocess
 import sys
 import time
@@ -45,10 +50,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import kernels as K  # noqa: E402
+import train  # noqa: E402
 from bench import TORCH_DTYPE, DType, check_official, console, machine, print_table  # noqa: E402
 from bench import official_layer, official_package, scan_impl  # noqa: E402
 from data import cli_errors  # noqa: E402
-from model import PRESETS, Mamba3Mixer, ModelConfig  # noqa: E402
+from model import PRESETS, Mamba3LM, Mamba3Mixer, ModelConfig  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
@@ -795,6 +801,62 @@ def compile_(
     console.print(f"machine: {machine()}, triton {versions}, no GPU used")
     if failed:
         raise typer.Exit(1)
+
+
+# -----------------------------------------------------------------------------
+# memory: what a GPU rank holds with DDP and with --fsdp, from the shapes, and measured on CPU ranks
+
+
+def state_bytes(lm, world: int, fsdp: bool) -> int:
+    """Weights, gradients and AdamW's 2 moments per rank, 16 bytes a float32 weight; FSDP2 splits
+    each tensor's rows into `world` equal chunks, the last one padded."""
+    return 16 * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
+                    for p in lm.parameters())
+
+
+def peak_added(rank: int, port: int, args: list, peaks):
+    """One rank as torchrun starts it, running train.py `args`: the memory it adds, into peaks."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.stdout = open(os.devnull, "w")  # (rank 0's log; errors go to stderr)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with contextlib.suppress(SystemExit):
+        train.app(args)
+    peaks[rank] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) * 1024  # (kB)
+
+
+@app.command()
+def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, measured step.")):
+    """Training state per rank with DDP and with --fsdp; a `small` step's peak on 2 CPU ranks.
+
+    The state from the tensors' shapes, each preset at 1, 2 and 8 ranks; the peak is what
+    `train.py --model small --dry-run` adds to each rank's memory, measured both ways."""
+    rows = []
+    for name in PRESETS:
+        with torch.device("meta"):
+            lm = Mamba3LM(PRESETS[name])
+        group = max(sum(p.numel() for p in lm.blocks[0].parameters()), lm.embed.weight.numel())
+        sizes = [state_bytes(lm, 1, False)] + [state_bytes(lm, w, True) for w in (1, 2, 8)]
+        rows.append([name, f"{lm.num_params() / 1e6:,.0f}M"]
+                    + [f"{b / 1e9:.2f}" for b in sizes + [8 * group]])
+    print_table("parameters + gradients + AdamW moments per rank, GB, float32 (on top: "
+                "activations; with FSDP, the weights and gradients of the block or root gathered)",
+                ["preset", "params", "DDP, any world", "FSDP 1", "FSDP 2", "FSDP 8", "gathered"],
+                rows)
+    L, ctx, rows = train.RECIPES["small"]["seq_len"], multiprocessing.get_context("fork"), []
+    args = ["--data", "synthetic", "--model", "small", "--batch-size", str(batch_size), "--dry-run",
+            "--total-batch-size", str(2 * batch_size * L), "--device", "cpu", "--dtype", "fp32"]
+    for fsdp in (False, True):
+        with socket.socket() as s:  # a free port for the two to meet on
+            s.bind(("127.0.0.1", 0))
+            peaks, port = ctx.Array("d", 2), s.getsockname()[1]
+        ranks = [ctx.Process(target=peak_added, args=(r, port, args + ["--fsdp"] * fsdp, peaks))
+                 for r in (0, 1)]
+        [p.start() for p in ranks], [p.join() for p in ranks]
+        rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
+    print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
+    console.print(f"machine: {machine()}")
 
 
 if __name__ == "__main__":
