@@ -1,11 +1,9 @@
 """The official mamba_ssm format, both ways, and models from run directories.
 
-    python official.py export RUN_DIR OUT_DIR [--step N]
+    python official.py export RUN_DIR OUT_DIR [--step N]   # for from_pretrained and `lm_eval`
 
-writes a checkpoint as state-spaces/mamba's MambaLMHeadModel.from_pretrained loads it (and
-lm-evaluation-harness runs it: `lm_eval --model mamba_ssm`); read_pretrained() brings such a
-directory, or a run directory, back for `train.py --init-from`; load_model() rebuilds the model of a
-run directory's checkpoint (for sample.py, the export and --init-from).
+read_pretrained() brings such a directory, or a run directory, back for `train.py --init-from`;
+load_model() rebuilds the model of a run directory's checkpoint (sample.py, export, --init-from).
 
 The official Mamba3 layer with the output norm off is our mixer (the same in_proj layout and math;
 MIMO with is_mimo and mimo_rank R), its blocks are ours and its head is tied. What differs is names
@@ -25,7 +23,7 @@ For MIMO, our chunk_size counts rows and the official one tokens (theirs is ours
 official kernel rotates state dim n with n + N/2 where we rotate (2n, 2n + 1): a fixed permutation
 of the state dims (halves()) of everything indexed by them. An official MIMO layer of rank 1 comes
 in as SISO, its mimo_x, mimo_z and mimo_o folded into in_proj and out_proj. What the official
-modules cannot rebuild exactly is refused (official_config, official_state_dict).
+modules cannot rebuild exactly is refused.
 """
 import dataclasses
 import json
@@ -56,6 +54,7 @@ CONFIG_DEFAULTS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_nor
 MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=1e-3,
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
+SHARED = [k for k in MAMBA3_DEFAULTS if hasattr(ModelConfig, k)]  # ModelConfig's names for them too
 MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
 # no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
@@ -69,44 +68,37 @@ MIMO_NAMES = ["mimo_x", "mimo_z", "mimo_o"]  # MIMO's own, the same names both w
 
 
 def official_config(cfg) -> dict:
-    """Our ModelConfig -> the MambaConfig (config.json) with which the official modules rebuild our
-    model exactly; a CheckpointError lists every option the format cannot express."""
-    problems = []
-    if cfg.rope_fraction not in (0.5, 1.0):
-        problems.append(f"rope_fraction {cfg.rope_fraction}: the official Mamba3 layer accepts "
-                        "only 0.5 and 1.0")
-    elif cfg.n_angles == 0 or cfg.n_angles % 2:
-        problems.append(f"d_state {cfg.d_state} with rope_fraction {cfg.rope_fraction} gives "
-                        f"{cfg.n_angles} rotary angles: the official layer needs at least one and "
-                        "its kernel an even number")
-    if cfg.mlp_hidden % MLP_MULTIPLE:
-        problems.append(f"mlp_hidden {cfg.mlp_hidden}: the official GatedMLP rounds its hidden "
-                        f"size up to a multiple of {MLP_MULTIPLE}, which would be another model; "
-                        f"train with a multiple of {MLP_MULTIPLE}")
-    if cfg.norm_eps != NORM_EPS:
-        problems.append(f"norm_eps {cfg.norm_eps}: the official model fixes every RMSNorm epsilon "
-                        f"at {NORM_EPS}")
+    """Our ModelConfig -> the MambaConfig (config.json) of the same model, or a CheckpointError."""
+    rope, S, F = cfg.rope_fraction, cfg.n_angles, MLP_MULTIPLE
+    problems = [what for what, bad in [
+        (f"rope_fraction {rope}: the official Mamba3 layer accepts only 0.5 and 1.0",
+         rope not in (0.5, 1.0)),
+        (f"d_state {cfg.d_state} with rope_fraction {rope} gives {S} rotary angles: the official "
+         "layer needs at least one and its kernel an even number",
+         rope in (0.5, 1.0) and (S == 0 or S % 2)),
+        (f"mlp_hidden {cfg.mlp_hidden}: the official GatedMLP rounds its hidden size up to a "
+         f"multiple of {F}, which would be another model; train with a multiple of {F}",
+         cfg.mlp_hidden % F),
+        (f"norm_eps {cfg.norm_eps}: the official model fixes every RMSNorm epsilon at {NORM_EPS}",
+         cfg.norm_eps != NORM_EPS)] if bad]
     if problems:
         raise CheckpointError("; ".join(problems))
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
-    mixer = {k: getattr(cfg, k) for k in MAMBA3_DEFAULTS if hasattr(cfg, k)}
-    ssm_cfg = {"layer": "Mamba3", **mixer, "chunk_size": cfg.chunk_tokens,
-               "is_outproj_norm": False, "is_mimo": bool(mimo), **mimo}
+    ssm_cfg = {"layer": "Mamba3", **{k: getattr(cfg, k) for k in SHARED}, "is_mimo": bool(mimo),
+               "chunk_size": cfg.chunk_tokens, "is_outproj_norm": False, **mimo}
     # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one
     # kernel. Unpadded vocabulary: the official model returns a logit for every row, and our
     # never-trained padding rows would take probability from the real tokens in a softmax.
-    return dict(d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden, n_layer=cfg.n_layer,
-                vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg, attn_layer_idx=[], attn_cfg={},
-                rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
-                pad_vocab_size_multiple=1, tie_embeddings=True)
+    return dict(CONFIG_DEFAULTS, d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden,
+                n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg,
+                pad_vocab_size_multiple=1)
 
 
 def config_from_official(config: dict, where) -> dict:
-    """A MambaConfig (config.json) -> our ModelConfig fields; a CheckpointError naming `where` lists
-    a missing or unknown field and what our model cannot be."""
+    """A MambaConfig (config.json) -> ModelConfig fields, or a CheckpointError naming `where`."""
     core = {"d_model", "n_layer", "vocab_size", "ssm_cfg"}
-    missing = sorted(core - config.keys())
-    unknown = sorted(config.keys() - CONFIG_DEFAULTS.keys() - core)
+    missing, unknown = sorted(core - config.keys()), sorted(config.keys() - CONFIG_DEFAULTS.keys()
+                                                            - core)
     c = {**CONFIG_DEFAULTS, **config}
     ssm = {**MAMBA3_DEFAULTS, **(c.get("ssm_cfg") or {})}
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
@@ -127,35 +119,29 @@ def config_from_official(config: dict, where) -> dict:
     if problems:
         raise CheckpointError(f"{where}: {'; '.join(problems)}. mamba3-lite reads Mamba-3 SISO "
                               "and MIMO models with RMSNorm, gated MLPs and a tied LM head")
-    mixer = ("headdim", "d_state", "ngroups", "rope_fraction", "A_floor", "dt_min", "dt_max",
-             "dt_init_floor")
     mlp_hidden = -(-c["d_intermediate"] // MLP_MULTIPLE) * MLP_MULTIPLE  # as GatedMLP rounds it
-    return dict(vocab_size=c["vocab_size"], n_layer=c["n_layer"], d_model=c["d_model"],
-                expand=int(ssm["expand"]), mlp_hidden=mlp_hidden, norm_eps=NORM_EPS,
-                reset_token=None, mimo_rank=R, chunk_size=ssm["chunk_size"] * R,
-                **{k: ssm[k] for k in mixer})
+    return dict({k: ssm[k] for k in SHARED}, vocab_size=c["vocab_size"], n_layer=c["n_layer"],
+                d_model=c["d_model"], expand=int(ssm["expand"]), mlp_hidden=mlp_hidden,
+                norm_eps=NORM_EPS, reset_token=None, mimo_rank=R, chunk_size=ssm["chunk_size"] * R)
 
 
 def _name_pairs(cfg, mimo=False):
     # (our key, official key) of every tensor that keeps its values (not fc1, lm_head); with the
     # MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)
     mixer = MIXER_NAMES + MIMO_NAMES * (mimo or cfg.mimo_rank > 1)
+    layer = [("norm1.weight", "norm.weight")]
+    layer += [(f"mixer.{a}", f"mixer.{a.replace('norm_w', 'norm.w')}") for a in mixer]
+    if cfg.mlp_hidden:
+        layer += [("norm2.weight", "norm2.weight"), ("mlp.down.weight", "mlp.fc2.weight")]
     pairs = [("embed.weight", "backbone.embedding.weight"),
              ("norm_f.weight", "backbone.norm_f.weight")]
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"backbone.layers.{i}."
-        pairs += [(ours + "norm1.weight", theirs + "norm.weight")]
-        pairs += [(f"{ours}mixer.{a}", f"{theirs}mixer.{a.replace('norm_w', 'norm.w')}")
-                  for a in mixer]
-        if cfg.mlp_hidden:
-            pairs += [(ours + "norm2.weight", theirs + "norm2.weight"),
-                      (ours + "mlp.down.weight", theirs + "mlp.fc2.weight")]
-    return pairs
+    return pairs + [(f"blocks.{i}.{a}", f"backbone.layers.{i}.{b}")
+                    for i in range(cfg.n_layer) for a, b in layer]
 
 
-def _fc1(cfg):  # official fc1 = [up; gate], and our two halves, per layer
+def _fc1(cfg):  # (official fc1 = [up; gate], our up, our gate) per layer
     return [(f"backbone.layers.{i}.mlp.fc1.weight", f"blocks.{i}.mlp.up.weight",
-             f"blocks.{i}.mlp.gate.weight") for i in range(cfg.n_layer if cfg.mlp_hidden else 0)]
+             f"blocks.{i}.mlp.gate.weight") for i in range(cfg.n_layer) if cfg.mlp_hidden]
 
 
 def halves(cfg):
@@ -168,16 +154,14 @@ def halves(cfg):
 
 
 def _reorder_state_dims(state, cfg, order):
-    # our state dict (a new dict) with every mixer's state dims taken in `order`: the B and C rows
-    # of in_proj, B and C's norm weights and biases
-    H, P, N, G, R = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.mimo_rank
-    lo, hi = 2 * H * P, 2 * H * P + 2 * R * G * N  # in_proj's B | C rows: R x G blocks of N each
-    state = dict(state)
-    for i in range(cfg.n_layer):
-        m = f"blocks.{i}.mixer."
+    # a new state dict (ours) with every mixer's state dims taken in `order`: the B and C rows of
+    # in_proj (R x G blocks of N each, after z | x), B and C's norm weights and biases
+    N, lo = cfg.d_state, 2 * cfg.n_heads * cfg.headdim
+    hi, state = lo + 2 * cfg.mimo_rank * cfg.ngroups * N, dict(state)
+    for m in (f"blocks.{i}.mixer." for i in range(cfg.n_layer)):
         W = state[m + "in_proj.weight"]
-        bc = W[lo:hi].view(2 * R * G, N, -1)[:, order].flatten(0, 1)
-        state[m + "in_proj.weight"] = torch.cat([W[:lo], bc, W[hi:]])
+        state[m + "in_proj.weight"] = torch.cat([W[:lo], W[lo:hi].unflatten(0, (-1, N))[:, order]
+                                                 .flatten(0, 1), W[hi:]])
         for name in ("B_norm_weight", "C_norm_weight", "B_bias", "C_bias"):
             state[m + name] = state[m + name][..., order]
     return state
@@ -187,20 +171,17 @@ def _fold_rank_one(state, vectors, cfg):
     # official MIMO layers of rank 1 as our SISO ones (in place, our names): v = x * mimo_x and
     # z * mimo_z are in_proj's x and z rows scaled, mimo_o * y is out_proj's columns scaled
     HP = cfg.n_heads * cfg.headdim
-    for i in range(cfg.n_layer):
-        m = f"blocks.{i}.mixer."
-        mx, mz, mo = (vectors[m + n].reshape(HP) for n in MIMO_NAMES)
-        W = state[m + "in_proj.weight"].clone()
-        W[:HP] *= mz[:, None].to(W.dtype)  # z | x | ...
-        W[HP:2 * HP] *= mx[:, None].to(W.dtype)
-        state[m + "in_proj.weight"] = W
-        state[m + "out_proj.weight"] = state[m + "out_proj.weight"] * mo.to(W.dtype)
+    for m in (f"blocks.{i}.mixer." for i in range(cfg.n_layer)):
+        mx, mz, mo = (vectors[m + n].reshape(HP).to(state[m + "in_proj.weight"].dtype)
+                      for n in MIMO_NAMES)
+        scale = torch.cat([mz, mx, mx.new_ones(len(state[m + "in_proj.weight"]) - 2 * HP)])
+        state[m + "in_proj.weight"] = state[m + "in_proj.weight"] * scale[:, None]  # z | x | ...
+        state[m + "out_proj.weight"] = state[m + "out_proj.weight"] * mo
 
 
 def official_state_dict(state, cfg) -> dict:
-    """Our state dict -> the official one: the embedding without its padding rows, tied to lm_head;
-    MIMO's state dims in the official kernel's order. Tensors the official blocks cannot hold
-    (another MLP in model.py, say) are a CheckpointError that names them."""
+    """Our state dict -> the official one, or a CheckpointError naming what its blocks cannot hold
+    (another MLP in model.py, say)."""
     ours = {a for a, _ in _name_pairs(cfg)} | {k for _, *ks in _fc1(cfg) for k in ks}
     extra, lacking = state.keys() - ours - {"lm_head.weight"}, ours - state.keys()
     if extra or lacking:  # blocks.0.mlp.fc.weight, blocks.1.mlp.fc.weight -> blocks.N.mlp.fc.weight
@@ -209,53 +190,45 @@ def official_state_dict(state, cfg) -> dict:
         raise CheckpointError("the official blocks hold RMSNorm, the Mamba3 mixer, RMSNorm and a "
                               "gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot "
                               f"hold {extra}; they need {lacking}")
-    if cfg.mimo_rank > 1:
-        state = _reorder_state_dims(state, cfg, halves(cfg))
+    state = _reorder_state_dims(state, cfg, halves(cfg)) if cfg.mimo_rank > 1 else state
     out = {theirs: state[ours].clone() for ours, theirs in _name_pairs(cfg)}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, None]  # (H, N) -> (H, 1, N): the official MIMO rank axis
-    embedding = state["embed.weight"][: cfg.vocab_size].clone()
-    out["lm_head.weight"] = out["backbone.embedding.weight"] = embedding
-    for fc1, up, gate in _fc1(cfg):
-        out[fc1] = torch.cat([state[up], state[gate]])
-    return out
+    emb = out["backbone.embedding.weight"][: cfg.vocab_size].clone()  # unpadded, and tied:
+    out["lm_head.weight"] = out["backbone.embedding.weight"] = emb
+    return out | {fc1: torch.cat([state[up], state[gate]]) for fc1, up, gate in _fc1(cfg)}
 
 
 def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
-    """An official state dict -> ours for ModelConfig `cfg`, checked against our model (keys and
-    shapes; a CheckpointError names `where`); mimo: its layers are MIMO (is_mimo), of cfg's rank
-    or of rank 1. Padding rows beyond the vocabulary are zeros: no token uses them."""
-    fold = mimo and cfg.mimo_rank == 1
+    """An official state dict (of MIMO layers if `mimo`, of cfg's rank or 1) -> ours, checked
+    against our model; a CheckpointError names `where`. The padding rows are zeros."""
+    fold, misfit = mimo and cfg.mimo_rank == 1, f"{where} does not fit its config.json"
     expected = {k for _, k in _name_pairs(cfg, fold)} | {fc1 for fc1, *_ in _fc1(cfg)}
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected - {"lm_head.weight"})
+    missing, unexpected = expected - state.keys(), state.keys() - expected - {"lm_head.weight"}
     if missing or unexpected:
-        raise CheckpointError(f"{where} does not fit its config.json: missing {missing or 'none'}; "
-                              f"unexpected {unexpected or 'none'}")
+        raise CheckpointError(f"{misfit}: missing {sorted(missing) or 'none'}; unexpected "
+                              f"{sorted(unexpected) or 'none'}")
     emb = state["backbone.embedding.weight"]
     if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], emb):
         raise CheckpointError(f"{where}: lm_head.weight is not backbone.embedding.weight, though "
-                              f"tie_embeddings says so")
+                              "tie_embeddings says so")
     shape = (cfg.n_heads, 1, cfg.headdim)
     for k in [k for k in state if fold and k.endswith(tuple(MIMO_NAMES))]:  # folded into ours below
         if state[k].shape != shape:
-            raise CheckpointError(f"{where} does not fit its config.json: {k} is "
-                                  f"{tuple(state[k].shape)}, not {shape}")
+            raise CheckpointError(f"{misfit}: {k} is {tuple(state[k].shape)}, not {shape}")
     out = {ours: state[theirs] for ours, theirs in _name_pairs(cfg, fold)}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
     for fc1, up, gate in _fc1(cfg):
         out[up], out[gate] = state[fc1].chunk(2)
-    out["embed.weight"] = emb.new_zeros(cfg.padded_vocab, emb.shape[1])
+    out["lm_head.weight"] = out["embed.weight"] = emb.new_zeros(cfg.padded_vocab, emb.shape[1])
     out["embed.weight"][: min(len(emb), cfg.padded_vocab)] = emb[: cfg.padded_vocab]
-    out["lm_head.weight"] = out["embed.weight"]
     vectors = {k: out.pop(k) for k in list(out) if k.endswith(tuple(MIMO_NAMES))} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
         try:
             Mamba3LM(cfg).load_state_dict(out, assign=True)
         except RuntimeError as e:
-            last = str(e).splitlines()[-1].strip()
-            raise CheckpointError(f"{where} does not fit its config.json: {last}") from None
+            raise CheckpointError(f"{misfit}: {str(e).splitlines()[-1].strip()}") from None
     if fold:
         _fold_rank_one(out, vectors, cfg)
     return _reorder_state_dims(out, cfg, halves(cfg).argsort()) if mimo else out
@@ -266,8 +239,8 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
 
 
 def load_model(run_dir, step=None):
-    """(model in eval mode, meta, step) rebuilt from a checkpoint of a train.py run directory: its
-    config from the meta, then the weights; without a step, the newest that loads (ckpt.newest)."""
+    """(model in eval mode, meta, step) of a train.py run's checkpoint; default: the newest that
+    loads."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
@@ -290,17 +263,16 @@ def load_model(run_dir, step=None):
         return (*build(step), step)
     step, loaded = ckpt.newest(run_dir, build)
     if loaded is None:
-        raise errors[-1] if errors else CheckpointError(
-            f"{run_dir}: no complete checkpoint found (expected model_step_N.safetensors, "
-            "optim_step_N.pt and meta_step_N.json)")
+        raise errors[-1] if errors else CheckpointError(f"{run_dir}: no complete checkpoint "
+                                                        "found (expected model_step_N.safetensors,"
+                                                        " optim_step_N.pt and meta_step_N.json)")
     return (*loaded, step)
 
 
 def check_impl(model):
-    """Refuse what the layers cannot run here in one sentence, before a command writes anything: a
-    MAMBA3_IMPL kernels.py does not know or cannot run (triton on a CPU without Triton's
-    interpreter), or on a GPU a MIMO rank the fused kernels cannot take. kernels.py sees either only
-    when the scan runs, so the model is run now, on two tokens."""
+    """Refuse, in one sentence and before a command writes anything, a MAMBA3_IMPL kernels.py cannot
+    run here or (on a GPU) a MIMO rank the fused kernels cannot take: the model runs two tokens now,
+    as kernels.py sees either only when the scan runs."""
     impl, device = os.environ.get("MAMBA3_IMPL"), next(model.parameters()).device
     if impl or (model.config.mimo_rank > 1 and device.type == "cuda"):
         try:
@@ -311,9 +283,8 @@ def check_impl(model):
 
 
 def read_pretrained(path):
-    """Weights to start from: (ModelConfig fields, state dict in our names, tokenizer spec or None)
-    of a train.py run directory (its newest step that verifies) or of a directory in the official
-    format (an export, or anyone's Mamba-3 checkpoint)."""
+    """(ModelConfig fields, state dict in our names, tokenizer spec or None) to start from, of a
+    train.py run directory or a directory in the official format (an export, anyone's Mamba-3)."""
     p = Path(path)
     if p.is_dir() and ckpt.step_files(p):
         model, meta, _ = load_model(p)
@@ -341,8 +312,7 @@ def read_pretrained(path):
         cfg = ModelConfig(**config)
     except ValueError as e:  # a shape our model cannot take (heads that do not divide, say)
         raise CheckpointError(f"{p / 'config.json'}: {e}") from None
-    mimo = bool((mamba_config.get("ssm_cfg") or {}).get("is_mimo"))
-    state = state_dict_from_official(state, cfg, weights[0], mimo)
+    state = state_dict_from_official(state, cfg, weights[0], mamba_config["ssm_cfg"].get("is_mimo"))
     return config, state, marker["tokenizer"] if marker else None
 
 
@@ -357,8 +327,7 @@ def byte_tokenizer_json() -> str:
 
     # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68 move
     # to U+0100 on
-    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    moved = iter(range(256, 256 + 68))
+    printable, moved = {*range(33, 127), *range(161, 173), *range(174, 256)}, iter(range(256, 324))
     chars = [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -370,40 +339,34 @@ def byte_tokenizer_json() -> str:
 def _tokenizer_files(spec, run_dir):
     # {name: bytes} so that AutoTokenizer loads the export as the run's tokenizer; none for GPT-2
     # (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer
-    name = (spec or {}).get("name")
-    if name == "byte":
-        tokenizer, eos = byte_tokenizer_json().encode(), data.EOS_TOKENS[0]
-    elif name == "file":
-        path = Path(run_dir) / spec["file"]
-        if not path.is_file() or spec.get("sha256") and data.sha256(path) != spec["sha256"]:
-            raise CheckpointError(f"{path}: missing, or not the tokenizer the run was trained with "
-                                  "(its sha256 differs from the spec); copy it from the data "
-                                  "directory")
-        tokenizer, eos = path.read_bytes(), spec.get("eos_token")
-    else:
+    name, path = (spec or {}).get("name"), Path(run_dir) / (spec or {}).get("file", "")
+    if name == "file" and (not path.is_file() or
+                           spec.get("sha256") and data.sha256(path) != spec["sha256"]):
+        raise CheckpointError(f"{path}: missing, or not the tokenizer the run was trained with "
+                              "(its sha256 differs from the spec); copy it from the data directory")
+    if name not in ("byte", "file"):
         return {}
     # split_special_tokens: text that spells the EOS token stays text, as prepare.py encodes it
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "eos_token": data.EOS_TOKENS[0] if name == "byte" else spec.get("eos_token"),
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": tokenizer,
-            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    return {"tokenizer.json": byte_tokenizer_json().encode() if name == "byte" else
+            path.read_bytes(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 def usage(out, marker):
     """(how to load it, the harness command, warnings) for the export in `out`."""
-    name, cfg = (marker["tokenizer"] or {}).get("name"), marker["model_config"]
+    name, reset = (marker["tokenizer"] or {}).get("name"), marker["model_config"].get("reset_token")
     tokenizer = {"gpt2": "gpt2", "byte": str(out), "file": str(out)}.get(name, "TOKENIZER")
     load = (f'MambaLMHeadModel.from_pretrained("{out}", device="cuda")  '
-            f'# mamba_ssm.models.mixer_seq_simple, CUDA only')
+            '# mamba_ssm.models.mixer_seq_simple, CUDA only')
     command = (f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={tokenizer},"
-               f"dtype=float32 --tasks lambada_openai,hellaswag,piqa,arc_easy --device cuda "
-               f"--batch_size 16")
+               "dtype=float32 --tasks lambada_openai,hellaswag,piqa,arc_easy --device cuda "
+               "--batch_size 16")
     notes = ["the run recorded no tokenizer: replace TOKENIZER by the Hugging Face tokenizer that "
-             "made its ids"] if tokenizer == "TOKENIZER" else []
-    if cfg.get("reset_token") is not None:
-        notes.append(f"this model resets its state after token {cfg['reset_token']} (reset_token), "
-                     "but the official model does not reset at EOS: give it one document per "
-                     "sequence")
+             "made its ids"] * (tokenizer == "TOKENIZER") + [
+        f"this model resets its state after token {reset} (reset_token), but the official model "
+        "does not reset at EOS: give it one document per sequence"] * (reset is not None)
     return load, command, notes
 
 
@@ -418,8 +381,8 @@ def export(run_dir, out_dir, step=None) -> Path:
                               "choose another OUT_DIR, or empty it yourself")
     model, meta, step = load_model(run_dir, step)
     try:
-        config = official_config(model.config)
-        state = official_state_dict(model.state_dict(), model.config)
+        config, state = official_config(model.config), official_state_dict(model.state_dict(),
+                                                                            model.config)
     except CheckpointError as e:
         raise CheckpointError(f"{run_dir} step {step} cannot be exported to the official mamba_ssm "
                               f"format: {e}") from None
@@ -433,9 +396,9 @@ def export(run_dir, out_dir, step=None) -> Path:
               f"mamba3-lite from `{run_dir}` step {step}. Load it:\n\n    {load}\n\nEvaluate it "
               f"with lm-evaluation-harness (`pip install lm-eval mamba-ssm`):\n\n    {command}\n\n"
               + "".join(f"Note: {n}.\n" for n in notes))
-    files = _tokenizer_files(spec, run_dir) | {name: text.encode() for name, text in [
-        ("config.json", json.dumps(config, indent=2)), (MARKER, json.dumps(marker, indent=2)),
-        ("README.md", readme)]}
+    files = _tokenizer_files(spec, run_dir) | {"config.json": json.dumps(config, indent=2).encode(),
+                                               MARKER: json.dumps(marker, indent=2).encode(),
+                                               "README.md": readme.encode()}
 
     def fill(stage):
         torch.save(state, stage / "pytorch_model.bin")
@@ -482,9 +445,10 @@ def export_main(
         out = export(run_dir, out_dir, step)
     marker = json.loads((out / MARKER).read_text())
     load, command, notes = usage(out, marker)
-    console, names = Console(highlight=False), ", ".join(sorted(p.name for p in out.iterdir()))
-    console.print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
-                  f"  load      {load}\n  evaluate  {command}", markup=False, soft_wrap=True)
+    names = ", ".join(sorted(p.name for p in out.iterdir()))
+    Console(highlight=False).print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
+                                   f"  load      {load}\n  evaluate  {command}", markup=False,
+                                   soft_wrap=True)
     for n in notes:
         Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/bold yellow] "
                                                     f"{escape(n)}", soft_wrap=True)
