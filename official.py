@@ -6,8 +6,7 @@ read_pretrained() brings such a directory, or a run directory, back for `train.p
 load_model() rebuilds the model of a run directory's checkpoint (sample.py, export, --init-from).
 
 The official Mamba3 layer with the output norm off is our mixer (the same in_proj layout and math;
-MIMO with is_mimo and mimo_rank R), its blocks are ours and its head is tied. What differs is names
-and the packing of a few tensors:
+MIMO with is_mimo and mimo_rank R), its blocks are ours and its head is tied. What differs:
 
     ours                    official                               change
     embed.weight (V64, D)   backbone.embedding.weight, lm_head.weight  vocab_size rows, tied
@@ -21,22 +20,21 @@ and the packing of a few tensors:
 
 For MIMO, our chunk_size counts rows and the official one tokens (theirs is ours / R), and the
 official kernel rotates state dim n with n + N/2 where we rotate (2n, 2n + 1): a fixed permutation
-of the state dims (halves()) of everything indexed by them. An official MIMO layer of rank 1 comes
-in as SISO, its mimo_x, mimo_z and mimo_o folded into in_proj and out_proj. What the official
-modules cannot rebuild exactly is refused.
+of the state dims (halves()). An official MIMO layer of rank 1 comes in as SISO, its mimo_x, mimo_z
+and mimo_o folded into in_proj and out_proj. What the official modules cannot rebuild is refused.
 """
 import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Optional
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 import ckpt
 import data
@@ -59,9 +57,9 @@ MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
 # no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
 # the mixer's tensors in our names; the official ones are the same but B_norm.weight, C_norm.weight
-MIXER_NAMES = ["in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
-               "D", "out_proj.weight"]
-MIMO_NAMES = ["mimo_x", "mimo_z", "mimo_o"]  # MIMO's own, the same names both ways
+MIXER_NAMES = ("in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
+               "D", "out_proj.weight")
+MIMO_NAMES = ("mimo_x", "mimo_z", "mimo_o")  # MIMO's own, the same names both ways
 
 # -----------------------------------------------------------------------------
 # the two formats: configs and state dicts, each way
@@ -97,16 +95,15 @@ def official_config(cfg) -> dict:
 def config_from_official(config: dict, where) -> dict:
     """A MambaConfig (config.json) -> ModelConfig fields, or a CheckpointError naming `where`."""
     core = {"d_model", "n_layer", "vocab_size", "ssm_cfg"}
-    missing, unknown = sorted(core - config.keys()), sorted(config.keys() - CONFIG_DEFAULTS.keys()
-                                                            - core)
+    missing, unknown = core - config.keys(), config.keys() - CONFIG_DEFAULTS.keys() - core
     c = {**CONFIG_DEFAULTS, **config}
     ssm = {**MAMBA3_DEFAULTS, **(c.get("ssm_cfg") or {})}
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
     layer = ssm.get("layer", "Mamba1")  # (the official default)
     R = ssm.get("mimo_rank", MIMO_RANK) if ssm["is_mimo"] else 1
     problems = [what for what, bad in [
-        (f"missing {', '.join(missing)}", missing),
-        (f"unknown fields {', '.join(unknown)}", unknown),
+        (f"missing {', '.join(sorted(missing))}", missing),
+        (f"unknown fields {', '.join(sorted(unknown))}", unknown),
         (f"ssm_cfg layer {layer}, not Mamba3", layer != "Mamba3"),
         (f"ssm_cfg options this reader does not know: {', '.join(extra)}", extra),
         (f"mimo_rank {R!r}", not isinstance(R, int) or R < 1),
@@ -212,18 +209,17 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], emb):
         raise CheckpointError(f"{where}: lm_head.weight is not backbone.embedding.weight, though "
                               "tie_embeddings says so")
-    shape = (cfg.n_heads, 1, cfg.headdim)
-    for k in [k for k in state if fold and k.endswith(tuple(MIMO_NAMES))]:  # folded into ours below
-        if state[k].shape != shape:
-            raise CheckpointError(f"{misfit}: {k} is {tuple(state[k].shape)}, not {shape}")
+    shape = (cfg.n_heads, 1, cfg.headdim)  # of the vectors folded into ours below
+    for k in [k for k in state if fold and k.endswith(MIMO_NAMES) and state[k].shape != shape]:
+        raise CheckpointError(f"{misfit}: {k} is {tuple(state[k].shape)}, not {shape}")
     out = {ours: state[theirs] for ours, theirs in _name_pairs(cfg, fold)}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
     for fc1, up, gate in _fc1(cfg):
         out[up], out[gate] = state[fc1].chunk(2)
-    out["lm_head.weight"] = out["embed.weight"] = emb.new_zeros(cfg.padded_vocab, emb.shape[1])
-    out["embed.weight"][: min(len(emb), cfg.padded_vocab)] = emb[: cfg.padded_vocab]
-    vectors = {k: out.pop(k) for k in list(out) if k.endswith(tuple(MIMO_NAMES))} if fold else {}
+    # padding rows of zeros (or rows beyond ours cut: F.pad's negative padding)
+    out["lm_head.weight"] = out["embed.weight"] = F.pad(emb, (0, 0, 0, cfg.padded_vocab - len(emb)))
+    vectors = {k: out.pop(k) for k in list(out) if k.endswith(MIMO_NAMES)} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
         try:
             Mamba3LM(cfg).load_state_dict(out, assign=True)
@@ -244,35 +240,31 @@ def load_model(run_dir, step=None):
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
-    fields, errors = {f.name for f in dataclasses.fields(ModelConfig)}, []
 
     def build(s):  # the model the meta of step s describes, with its weights
-        try:
-            config = ckpt.read_meta(run_dir, s).get("model_config")
-            if not isinstance(config, dict):
-                raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
-                                      "not a mamba3-lite model")
-            # (a field an older version saved and this one dropped is passed over)
-            model = Mamba3LM(ModelConfig(**{k: v for k, v in config.items() if k in fields}))
-            return model.eval(), ckpt.load(run_dir, s, model)
-        except CheckpointError as e:
-            errors.append(e)  # the last one is the error if no step loads
-            raise
+        config = ckpt.read_meta(run_dir, s).get("model_config")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
+                                  "not a mamba3-lite model")
+        # (a field an older version saved and this one dropped is passed over)
+        fields = {k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__}
+        model = Mamba3LM(ModelConfig(**fields))
+        return model.eval(), ckpt.load(run_dir, s, model)
 
-    if step is not None:
-        return (*build(step), step)
-    step, loaded = ckpt.newest(run_dir, build)
-    if loaded is None:
-        raise errors[-1] if errors else CheckpointError(f"{run_dir}: no complete checkpoint "
-                                                        "found (expected model_step_N.safetensors,"
-                                                        " optim_step_N.pt and meta_step_N.json)")
-    return (*loaded, step)
+    if step is None:
+        step, loaded = ckpt.newest(run_dir, build)
+        if loaded is not None:
+            return (*loaded, step)
+        if not (steps := ckpt.list_steps(run_dir)):
+            raise CheckpointError(f"{run_dir}: no complete checkpoint found (expected "
+                                  "model_step_N.safetensors, optim_step_N.pt and meta_step_N.json)")
+        step = steps[0]  # none loads: the oldest once more, whose error says why
+    return (*build(step), step)
 
 
 def check_impl(model):
-    """Refuse, in one sentence and before a command writes anything, a MAMBA3_IMPL kernels.py cannot
-    run here or (on a GPU) a MIMO rank the fused kernels cannot take: the model runs two tokens now,
-    as kernels.py sees either only when the scan runs."""
+    """Refuse, before a command writes anything, a MAMBA3_IMPL that cannot run here or (on a GPU) a
+    MIMO rank the fused kernels cannot take: kernels.py sees either only when two tokens run."""
     impl, device = os.environ.get("MAMBA3_IMPL"), next(model.parameters()).device
     if impl or (model.config.mimo_rank > 1 and device.type == "cuda"):
         try:
@@ -298,22 +290,20 @@ def read_pretrained(path):
         mamba_config = json.loads((p / "config.json").read_text())
         state = (safetensors.torch.load_file(weights[0]) if weights[0].suffix == ".safetensors"
                  else torch.load(weights[0], map_location="cpu", weights_only=True))
+        if not isinstance(mamba_config, dict) or not isinstance(state, dict):
+            raise TypeError("expected MambaConfig fields and a state dict")
     except Exception as e:  # noqa: BLE001 - JSON, safetensors and pickle each have their own errors
         raise CheckpointError(f"{p}: config.json or {weights[0].name} cannot be read "
                               f"({type(e).__name__}: {e})") from None
-    if not isinstance(mamba_config, dict) or not isinstance(state, dict):
-        raise CheckpointError(f"{p}: expected config.json to hold MambaConfig fields and "
-                              f"{weights[0].name} a state dict")
     config = config_from_official(mamba_config, p / "config.json")
-    marker = json.loads((p / MARKER).read_text()) if (p / MARKER).is_file() else None
-    if marker:  # our own export: what config.json cannot say
-        config["reset_token"] = marker["model_config"].get("reset_token")
+    marker = (json.loads((p / MARKER).read_text()) if (p / MARKER).is_file() else None) or {}
+    config["reset_token"] = marker.get("model_config", {}).get("reset_token")  # (our own export's)
     try:
         cfg = ModelConfig(**config)
     except ValueError as e:  # a shape our model cannot take (heads that do not divide, say)
         raise CheckpointError(f"{p / 'config.json'}: {e}") from None
     state = state_dict_from_official(state, cfg, weights[0], mamba_config["ssm_cfg"].get("is_mimo"))
-    return config, state, marker["tokenizer"] if marker else None
+    return config, state, marker.get("tokenizer")
 
 
 # -----------------------------------------------------------------------------
@@ -321,12 +311,10 @@ def read_pretrained(path):
 
 
 def byte_tokenizer_json() -> str:
-    """A Hugging Face tokenizer.json with data.py's byte tokenizer's ids: 0..255 the bytes of the
-    UTF-8 text, 256 <|endoftext|> (a byte-level BPE without merges)."""
+    """data.ByteTokenizer as a Hugging Face tokenizer.json: a byte-level BPE without merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68 move
-    # to U+0100 on
+    # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, 68 move to U+0100..
     printable, moved = {*range(33, 127), *range(161, 173), *range(174, 256)}, iter(range(256, 324))
     chars = [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
     tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
@@ -371,10 +359,8 @@ def usage(out, marker):
 
 
 def export(run_dir, out_dir, step=None) -> Path:
-    """Write checkpoint `step` of a train.py run directory (default: its newest step that verifies)
-    into `out_dir` in the official format; returns out_dir. What cannot be exported is refused
-    before anything is written, as an out_dir that is neither new, empty, nor an earlier export;
-    the new export replaces the old one whole, keeping files a user added (data.replace_dir)."""
+    """Write a run's checkpoint (default: the newest that verifies) to `out_dir`, new or an earlier
+    export (replaced whole, a user's files kept), or refuse before writing anything."""
     run_dir, out = Path(run_dir), Path(out_dir)
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MARKER).is_file())):
         raise CheckpointError(f"{out} exists and is not an earlier export (it has no {MARKER}); "
@@ -402,8 +388,7 @@ def export(run_dir, out_dir, step=None) -> Path:
 
     def fill(stage):
         torch.save(state, stage / "pytorch_model.bin")
-        # safetensors refuses tied tensors: lm_head.weight is the embedding's
-        untied = dict(state, **{"lm_head.weight": state["lm_head.weight"].clone()})
+        untied = {**state, "lm_head.weight": state["lm_head.weight"].clone()}  # as safetensors asks
         safetensors.torch.save_file(untied, stage / "model.safetensors", metadata={"format": "pt"})
         (stage / "model.safetensors").chmod(ckpt.FILE_MODE)  # (safetensors' own is 0600)
         for name, blob in files.items():
@@ -423,12 +408,10 @@ def export(run_dir, out_dir, step=None) -> Path:
 # -----------------------------------------------------------------------------
 # command line: python official.py export RUN_DIR OUT_DIR [--step N]
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
-
-
-@app.callback()
-def commands():
-    """The official mamba_ssm format (the library: export, read_pretrained, load_model)."""
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich",
+                  help="The official mamba_ssm format (the library: export, read_pretrained, "
+                  "load_model).")
+app.callback()(lambda: None)  # a group, so that the command line names `export`
 
 
 @app.command("export")
@@ -446,12 +429,10 @@ def export_main(
     marker = json.loads((out / MARKER).read_text())
     load, command, notes = usage(out, marker)
     names = ", ".join(sorted(p.name for p in out.iterdir()))
-    Console(highlight=False).print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
-                                   f"  load      {load}\n  evaluate  {command}", markup=False,
-                                   soft_wrap=True)
+    print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n  load      {load}\n"
+          f"  evaluate  {command}")
     for n in notes:
-        Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/bold yellow] "
-                                                    f"{escape(n)}", soft_wrap=True)
+        print(f"warning: {n}", file=sys.stderr)
 
 
 if __name__ == "__main__":
