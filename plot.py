@@ -30,7 +30,7 @@ class PlotError(ValueError):
 
 
 def read_metrics(run_dir: Path) -> dict:
-    """{"train": [records], "eval": [records]} of one run: the last of each step, with its tokens."""
+    """{"train": [records], "eval": [records]} of one run: each step's last, with its tokens."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{run_dir}: expected a train.py run directory holding metrics.jsonl, "
