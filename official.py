@@ -68,17 +68,15 @@ MIMO_NAMES = ("mimo_x", "mimo_z", "mimo_o")  # MIMO's own, the same names both w
 def official_config(cfg) -> dict:
     """Our ModelConfig -> the MambaConfig (config.json) of the same model, or a CheckpointError."""
     rope, S, F = cfg.rope_fraction, cfg.n_angles, MLP_MULTIPLE
-    problems = [what for what, bad in [
-        (f"rope_fraction {rope}: the official Mamba3 layer accepts only 0.5 and 1.0",
-         rope not in (0.5, 1.0)),
-        (f"d_state {cfg.d_state} with rope_fraction {rope} gives {S} rotary angles: the official "
-         "layer needs at least one and its kernel an even number",
-         rope in (0.5, 1.0) and (S == 0 or S % 2)),
-        (f"mlp_hidden {cfg.mlp_hidden}: the official GatedMLP rounds its hidden size up to a "
-         f"multiple of {F}, which would be another model; train with a multiple of {F}",
-         cfg.mlp_hidden % F),
-        (f"norm_eps {cfg.norm_eps}: the official model fixes every RMSNorm epsilon at {NORM_EPS}",
-         cfg.norm_eps != NORM_EPS)] if bad]
+    problems = [what for bad, what in [
+        (rope not in (0.5, 1.0), f"rope_fraction {rope}: the official Mamba3 layer accepts only "
+         "0.5 and 1.0"),
+        (rope in (0.5, 1.0) and (S == 0 or S % 2), f"d_state {cfg.d_state} with rope_fraction "
+         f"{rope} gives {S} rotary angles: the official kernel needs an even number, at least 2"),
+        (cfg.mlp_hidden % F, f"mlp_hidden {cfg.mlp_hidden}: the official GatedMLP rounds its hidden"
+         f" size up to a multiple of {F}, which would be another model; train with a multiple"),
+        (cfg.norm_eps != NORM_EPS, f"norm_eps {cfg.norm_eps}: the official model fixes every "
+         f"RMSNorm epsilon at {NORM_EPS}")] if bad]
     if problems:
         raise CheckpointError("; ".join(problems))
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
@@ -164,18 +162,6 @@ def _reorder_state_dims(state, cfg, order):
     return state
 
 
-def _fold_rank_one(state, vectors, cfg):
-    # official MIMO layers of rank 1 as our SISO ones (in place, our names): v = x * mimo_x and
-    # z * mimo_z are in_proj's x and z rows scaled, mimo_o * y is out_proj's columns scaled
-    HP = cfg.n_heads * cfg.headdim
-    for m in (f"blocks.{i}.mixer." for i in range(cfg.n_layer)):
-        mx, mz, mo = (vectors[m + n].reshape(HP).to(state[m + "in_proj.weight"].dtype)
-                      for n in MIMO_NAMES)
-        scale = torch.cat([mz, mx, mx.new_ones(len(state[m + "in_proj.weight"]) - 2 * HP)])
-        state[m + "in_proj.weight"] = state[m + "in_proj.weight"] * scale[:, None]  # z | x | ...
-        state[m + "out_proj.weight"] = state[m + "out_proj.weight"] * mo
-
-
 def official_state_dict(state, cfg) -> dict:
     """Our state dict -> the official one, or a CheckpointError naming what its blocks cannot hold
     (another MLP in model.py, say)."""
@@ -207,8 +193,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
                               f"{sorted(unexpected) or 'none'}")
     emb = state["backbone.embedding.weight"]
     if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], emb):
-        raise CheckpointError(f"{where}: lm_head.weight is not backbone.embedding.weight, though "
-                              "tie_embeddings says so")
+        raise CheckpointError(f"{where}: lm_head.weight is not the tied backbone.embedding.weight")
     shape = (cfg.n_heads, 1, cfg.headdim)  # of the vectors folded into ours below
     for k in [k for k in state if fold and k.endswith(MIMO_NAMES) and state[k].shape != shape]:
         raise CheckpointError(f"{misfit}: {k} is {tuple(state[k].shape)}, not {shape}")
@@ -225,8 +210,14 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
             Mamba3LM(cfg).load_state_dict(out, assign=True)
         except RuntimeError as e:
             raise CheckpointError(f"{misfit}: {str(e).splitlines()[-1].strip()}") from None
-    if fold:
-        _fold_rank_one(out, vectors, cfg)
+    HP = cfg.n_heads * cfg.headdim
+    for m in (f"blocks.{i}.mixer." for i in range(cfg.n_layer) if fold):
+        # an official MIMO layer of rank 1 as our SISO one: v = x * mimo_x and z * mimo_z are
+        # in_proj's x and z rows scaled, mimo_o * y is out_proj's columns scaled
+        W, Wo = out[m + "in_proj.weight"], out[m + "out_proj.weight"]
+        mx, mz, mo = (vectors[m + n].reshape(HP).to(W.dtype) for n in MIMO_NAMES)
+        out[m + "in_proj.weight"] = W * torch.cat([mz, mx, mx.new_ones(len(W) - 2 * HP)])[:, None]
+        out[m + "out_proj.weight"] = Wo * mo
     return _reorder_state_dims(out, cfg, halves(cfg).argsort()) if mimo else out
 
 
