@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -82,9 +81,8 @@ def official_config(cfg) -> dict:
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
     ssm_cfg = {"layer": "Mamba3", **{k: getattr(cfg, k) for k in SHARED}, "is_mimo": bool(mimo),
                "chunk_size": cfg.chunk_tokens, "is_outproj_norm": False, **mimo}
-    # residual_in_fp32 is what our bf16 training does; fused_add_norm is the same math in one
-    # kernel. Unpadded vocabulary: the official model returns a logit for every row, and our
-    # never-trained padding rows would take probability from the real tokens in a softmax.
+    # residual_in_fp32 is what our bf16 training does, fused_add_norm the same math in one kernel;
+    # no padding rows: the official model gives each a logit, and ours (untrained) would take mass
     return dict(CONFIG_DEFAULTS, d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden,
                 n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg,
                 pad_vocab_size_multiple=1)
@@ -128,10 +126,9 @@ def _name_pairs(cfg, mimo=False):
     layer += [(f"mixer.{a}", f"mixer.{a.replace('norm_w', 'norm.w')}") for a in mixer]
     if cfg.mlp_hidden:
         layer += [("norm2.weight", "norm2.weight"), ("mlp.down.weight", "mlp.fc2.weight")]
-    pairs = [("embed.weight", "backbone.embedding.weight"),
-             ("norm_f.weight", "backbone.norm_f.weight")]
-    return pairs + [(f"blocks.{i}.{a}", f"backbone.layers.{i}.{b}")
-                    for i in range(cfg.n_layer) for a, b in layer]
+    pairs = [("embed.weight", "embedding.weight"), ("norm_f.weight", "norm_f.weight")] + [
+        (f"blocks.{i}.{a}", f"layers.{i}.{b}") for i in range(cfg.n_layer) for a, b in layer]
+    return [(a, "backbone." + b) for a, b in pairs]
 
 
 def _fc1(cfg):  # (official fc1 = [up; gate], our up, our gate) per layer
@@ -140,9 +137,8 @@ def _fc1(cfg):  # (official fc1 = [up; gate], our up, our gate) per layer
 
 
 def halves(cfg):
-    """The official MIMO kernel's order of the N state dims, in ours: its dim o is our dim
-    halves(cfg)[o]. It rotates dim n with n + N // 2 for n < S (S angles), we rotate 2n with
-    2n + 1; the dims that pass unrotated keep their order (the last N - N // 2 - S stay put)."""
+    """The official MIMO kernel's order of our N state dims (its dim o is our halves(cfg)[o]): it
+    rotates n with n + N // 2 for n < S, we 2n with 2n + 1; the unrotated dims keep their order."""
     N, S, h = cfg.d_state, cfg.n_angles, cfg.d_state // 2
     return torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
                         [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
@@ -226,8 +222,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
 
 
 def load_model(run_dir, step=None):
-    """(model in eval mode, meta, step) of a train.py run's checkpoint; default: the newest that
-    loads."""
+    """(model in eval mode, meta, step) of a run's checkpoint, by default the newest that loads."""
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"{run_dir}: no such directory; expected a train.py --out-dir "
                               "holding checkpoints")
@@ -237,9 +232,8 @@ def load_model(run_dir, step=None):
         if not isinstance(config, dict):
             raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
                                   "not a mamba3-lite model")
-        # (a field an older version saved and this one dropped is passed over)
         fields = {k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__}
-        model = Mamba3LM(ModelConfig(**fields))
+        model = Mamba3LM(ModelConfig(**fields))  # (a field this version dropped is passed over)
         return model.eval(), ckpt.load(run_dir, s, model)
 
     if step is None:
@@ -274,9 +268,8 @@ def read_pretrained(path):
         return dataclasses.asdict(model.config), model.state_dict(), meta.get("tokenizer")
     weights = [p / n for n in ("model.safetensors", "pytorch_model.bin") if (p / n).is_file()]
     if not weights or not (p / "config.json").is_file():
-        raise CheckpointError(f"{p}: expected a train.py run directory (checkpoints) or a "
-                              "directory in the official mamba_ssm format (config.json with "
-                              "pytorch_model.bin or model.safetensors)")
+        raise CheckpointError(f"{p}: expected a train.py run directory or a mamba_ssm one "
+                              "(config.json with model.safetensors or pytorch_model.bin)")
     try:
         mamba_config = json.loads((p / "config.json").read_text())
         state = (safetensors.torch.load_file(weights[0]) if weights[0].suffix == ".safetensors"
@@ -304,7 +297,6 @@ def read_pretrained(path):
 def byte_tokenizer_json() -> str:
     """data.ByteTokenizer as a Hugging Face tokenizer.json: a byte-level BPE without merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, 68 move to U+0100..
     printable, moved = {*range(33, 127), *range(161, 173), *range(174, 256)}, iter(range(256, 324))
     chars = [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
@@ -400,8 +392,7 @@ def export(run_dir, out_dir, step=None) -> Path:
 # command line: python official.py export RUN_DIR OUT_DIR [--step N]
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich",
-                  help="The official mamba_ssm format (the library: export, read_pretrained, "
-                  "load_model).")
+                  help="The official mamba_ssm format (export, read_pretrained, load_model).")
 app.callback()(lambda: None)  # a group, so that the command line names `export`
 
 
@@ -417,13 +408,12 @@ def export_main(
     MambaLMHeadModel.from_pretrained and lm-evaluation-harness (--model mamba_ssm) load."""
     with data.cli_errors(CheckpointError, ValueError):  # ValueError: data.DataError, another export
         out = export(run_dir, out_dir, step)
-    marker = json.loads((out / MARKER).read_text())
-    load, command, notes = usage(out, marker)
+    load, command, notes = usage(out, marker := json.loads((out / MARKER).read_text()))
     names = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n  load      {load}\n"
           f"  evaluate  {command}")
     for n in notes:
-        print(f"warning: {n}", file=sys.stderr)
+        typer.echo(f"warning: {n}", err=True)
 
 
 if __name__ == "__main__":
