@@ -73,7 +73,7 @@ def official_config(cfg) -> dict:
         (rope in (0.5, 1.0) and (S == 0 or S % 2), f"d_state {cfg.d_state} with rope_fraction "
          f"{rope} gives {S} rotary angles: the official kernel needs an even number, at least 2"),
         (cfg.mlp_hidden % F, f"mlp_hidden {cfg.mlp_hidden}: the official GatedMLP rounds its hidden"
-         f" size up to a multiple of {F}, which would be another model; train with a multiple"),
+         f" size up to a multiple of {F} (another model); train with a multiple of {F}"),
         (cfg.norm_eps != NORM_EPS, f"norm_eps {cfg.norm_eps}: the official model fixes every "
          f"RMSNorm epsilon at {NORM_EPS}")] if bad]
     if problems:
@@ -97,18 +97,18 @@ def config_from_official(config: dict, where) -> dict:
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
     layer = ssm.get("layer", "Mamba1")  # (the official default)
     R = ssm.get("mimo_rank", MIMO_RANK) if ssm["is_mimo"] else 1
-    problems = [what for what, bad in [
-        (f"missing {', '.join(sorted(missing))}", missing),
-        (f"unknown fields {', '.join(sorted(unknown))}", unknown),
-        (f"ssm_cfg layer {layer}, not Mamba3", layer != "Mamba3"),
-        (f"ssm_cfg options this reader does not know: {', '.join(extra)}", extra),
-        (f"mimo_rank {R!r}", not isinstance(R, int) or R < 1),
-        ("a norm before out_proj (is_outproj_norm)", ssm["is_outproj_norm"]),
-        (f"attention layers {c['attn_layer_idx']}", c["attn_layer_idx"]),
-        ("LayerNorm blocks (rms_norm false)", not c["rms_norm"]),
-        ("a separate LM head (tie_embeddings false)", not c["tie_embeddings"]),
-        (f"expand {ssm['expand']}", ssm["expand"] != int(ssm["expand"])),
-        (f"rope_fraction {ssm['rope_fraction']}", ssm["rope_fraction"] not in (0.5, 1.0))] if bad]
+    problems = [what for bad, what in [
+        (missing, f"missing {', '.join(sorted(missing))}"),
+        (unknown, f"unknown fields {', '.join(sorted(unknown))}"),
+        (layer != "Mamba3", f"ssm_cfg layer {layer}, not Mamba3"),
+        (extra, f"ssm_cfg options this reader does not know: {', '.join(extra)}"),
+        (not isinstance(R, int) or R < 1, f"mimo_rank {R!r}"),
+        (ssm["is_outproj_norm"], "a norm before out_proj (is_outproj_norm)"),
+        (c["attn_layer_idx"], f"attention layers {c['attn_layer_idx']}"),
+        (not c["rms_norm"], "LayerNorm blocks (rms_norm false)"),
+        (not c["tie_embeddings"], "a separate LM head (tie_embeddings false)"),
+        (ssm["expand"] != int(ssm["expand"]), f"expand {ssm['expand']}"),
+        (ssm["rope_fraction"] not in (0.5, 1.0), f"rope_fraction {ssm['rope_fraction']}")] if bad]
     if problems:
         raise CheckpointError(f"{where}: {'; '.join(problems)}. mamba3-lite reads Mamba-3 SISO "
                               "and MIMO models with RMSNorm, gated MLPs and a tied LM head")
