@@ -1,15 +1,13 @@
-"""The Mamba-3 language model: config and presets, the mixer (SISO, or MIMO of rank mimo_rank),
-SwiGLU MLP, pre-norm blocks, the tied LM head, recurrent decoding and a FLOPs count (Mamba-3, arXiv
-2603.15569). The layer's math between in_proj and out_proj, and the scan, live in kernels.py.
+"""The Mamba-3 language model (arXiv 2603.15569): config and presets, the mixer (SISO, or MIMO of
+rank mimo_rank), pre-norm blocks, the tied LM head, recurrent decoding and a FLOPs count. The math
+between in_proj and out_proj, and the scan, live in kernels.py.
 
 A block is h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)) (SwiGLU: down(silu(gate(h)) *
 up(h)), omitted when mlp_hidden is 0), then a final RMSNorm and an LM head tied to the embedding.
-The mixer is one bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, the region
-(kernels.mixer) and a bias-free out_proj. A MIMO layer (mimo_rank R > 1) has R ranks of B and C,
-lifts x and z per head to R inputs and gates (mimo_x, mimo_z) and sums the R outputs back (mimo_o):
-R times the scan's FLOPs on the same state. Decoding keeps per layer the phases, the state S and
-the last token's k (R of them) and x, and runs one token of the recurrence per step; it reproduces
-the parallel forward's logits.
+The mixer is a bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle, kernels.mixer and
+a bias-free out_proj. MIMO (mimo_rank R > 1) has R ranks of B and C, lifts x and z per head to R
+inputs and gates (mimo_x, mimo_z) and sums the R outputs (mimo_o): R times the scan's FLOPs on the
+same state. Decoding runs the recurrence one token per step and reproduces the forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -51,40 +49,23 @@ class ModelConfig:
     # the state resets after this token (a document's EOS); None: never
     reset_token: Optional[int] = None
 
+    d_inner = property(lambda self: self.expand * self.d_model)
+    n_heads = property(lambda self: self.d_inner // self.headdim)  # H
+    n_angles = property(lambda self: int(self.d_state * self.rope_fraction / 2))  # S: rotated pairs
+    chunk_tokens = property(lambda self: self.chunk_size // self.mimo_rank)  # C: tokens per chunk
+    padded_vocab = property(lambda self: -(-self.vocab_size // 64) * 64)
+
     def __post_init__(self):
-        if self.d_inner % self.headdim:
-            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} is not a multiple of "
-                             f"headdim {self.headdim}")
-        if self.n_heads % self.ngroups:
-            raise ValueError(f"{self.n_heads} heads cannot be split into {self.ngroups} groups")
+        if self.d_inner % self.headdim or self.n_heads % self.ngroups:
+            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple of "
+                             f"headdim {self.headdim}, and its heads of ngroups {self.ngroups}")
         if self.vocab_size < 1 or self.n_layer < 1:
             raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} and "
                              f"{self.n_layer}")
         if self.mimo_rank < 1 or self.chunk_size % self.mimo_rank:
             raise ValueError(f"mimo_rank (--mimo-rank) must be at least 1 and divide chunk_size "
-                             f"{self.chunk_size} (a chunk of the scan is chunk_size rows: "
-                             f"chunk_size // mimo_rank tokens of mimo_rank rows each), got "
-                             f"{self.mimo_rank}")
-
-    @property
-    def d_inner(self):
-        return self.expand * self.d_model
-
-    @property
-    def n_heads(self):
-        return self.d_inner // self.headdim
-
-    @property
-    def n_angles(self):  # S: rotated pairs of state dims
-        return int(self.d_state * self.rope_fraction / 2)
-
-    @property
-    def chunk_tokens(self):  # C: tokens per chunk of the scan
-        return self.chunk_size // self.mimo_rank
-
-    @property
-    def padded_vocab(self):
-        return -(-self.vocab_size // 64) * 64
+                             f"{self.chunk_size} (chunk_size // mimo_rank tokens of mimo_rank rows "
+                             f"make a chunk), got {self.mimo_rank}")
 
 
 # The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is GPT-2's
@@ -107,14 +88,12 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A
 
 
 def peak_flops(device_name):
-    """The peak of the first table entry in a GPU's name (torch.cuda.get_device_name()); None if
-    none is."""
+    """The peak of the first table entry in a GPU's name (torch.cuda.get_device_name()), or None."""
     return next((flops for name, flops in PEAK_FLOPS.items() if name in device_name), None)
 
 
 def pick_device(flag):
-    """--device auto|cpu|cuda -> "cpu" or "cuda"; cuda without a CUDA device is a ValueError that
-    says so."""
+    """--device auto|cpu|cuda -> "cpu" or "cuda" (a ValueError for cuda without one)."""
     if flag == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if flag == "cuda" and not torch.cuda.is_available():
@@ -125,8 +104,7 @@ def pick_device(flag):
 
 def bf16_native(device):
     """Whether bf16 autocast pays off on "cuda" or "cpu": bf16 matmuls run at several times the
-    float32 rate on GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX; there it nearly
-    halves a step of the small preset)."""
+    float32 rate on GPUs and on CPUs with bf16 instructions (AVX512-BF16, AMX)."""
     if device == "cuda":
         return torch.cuda.is_bf16_supported()
     with contextlib.suppress(AttributeError, RuntimeError):
@@ -135,30 +113,25 @@ def bf16_native(device):
 
 
 class Mamba3Mixer(nn.Module):
-    """One Mamba-3 layer: in_proj, the mixer region (data-dependent dt / A / trapezoid / rotary
-    angles, the scan, the D skip and the silu(z) gate: kernels.mixer; MIMO with mimo_rank > 1) and
-    out_proj."""
+    """One Mamba-3 layer: in_proj, the region (data-dependent dt / A / trapezoid / rotary angles,
+    the scan, the D skip and the silu(z) gate: kernels.mixer) and out_proj."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        H, P, N, G, S = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.n_angles
-        R = cfg.mimo_rank
+        H, P, N, R = cfg.n_heads, cfg.headdim, cfg.d_state, cfg.mimo_rank
         # z | x | B | C | dd_dt | dd_A | trap | angle, B and C with R ranks each
-        self.split = kernels.split_sizes(H, P, G, N, S, R)
+        self.split = kernels.split_sizes(H, P, cfg.ngroups, N, cfg.n_angles, R)
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=False)
-        # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: a spread of timescales
-        # across heads
+        # dt_bias = softplus^-1(dt0), dt0 log-uniform in [dt_min, dt_max]: timescales across heads
         dt0 = torch.exp(torch.empty(H).uniform_(math.log(cfg.dt_min), math.log(cfg.dt_max)))
         dt0 = dt0.clamp(min=cfg.dt_init_floor)
         self.dt_bias = nn.Parameter(dt0 + torch.log(-torch.expm1(-dt0)))
         self.B_norm_weight = nn.Parameter(torch.ones(N))
         self.C_norm_weight = nn.Parameter(torch.ones(N))
-        # one per head and rank (SISO: the official (H, 1, N) squeezed); ones, not zeros: the
-        # paper's ablations
-        bias = (H, N) if R == 1 else (H, R, N)
-        self.B_bias = nn.Parameter(torch.ones(bias))
-        self.C_bias = nn.Parameter(torch.ones(bias))
+        # per head and rank (SISO: the official (H, 1, N) squeezed); ones, as the paper's ablations
+        self.B_bias = nn.Parameter(torch.ones((H, N) if R == 1 else (H, R, N)))
+        self.C_bias = nn.Parameter(torch.ones((H, N) if R == 1 else (H, R, N)))
         if R > 1:  # per head and channel: x and z lifted to R inputs and gates, the R outputs
             # summed back; the official init: the layer starts as the mean of R copies of a SISO one
             self.mimo_x = nn.Parameter(torch.full((H, R, P), 1 / R))
@@ -168,10 +141,8 @@ class Mamba3Mixer(nn.Module):
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=False)
 
     def forward(self, u, cache=None, impl="auto", reset=None):
-        """u (B, L, d_model) -> (B, L, d_model). With a cache (this layer's dict from init_cache)
-        the region starts from the cached state and leaves its final state there: prefill, and the
-        decode step with L = 1. reset (B, L) bool: positions where a document starts (nothing
-        before them reaches them)."""
+        """u (B, L, d_model) -> (B, L, d_model), from and to the state in `cache` (this layer's of
+        init_cache) if given; reset (B, L) bool: where a document starts."""
         return self.out_proj(self.region(self.in_proj(u), cache, impl, reset))
 
     def region(self, zxbcdt, cache=None, impl="auto", reset=None):
@@ -233,8 +204,7 @@ class Mamba3LM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        # recompute each block in backward: less memory, ~1/3 more compute
-        self.grad_checkpointing = False
+        self.grad_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more
         self.embed = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
@@ -244,23 +214,19 @@ class Mamba3LM(nn.Module):
         # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer) so the
         # stream's variance does not grow with depth (two residual writes per block)
         nn.init.normal_(self.embed.weight, std=0.02)
-        for block in self.blocks:
-            for proj in (block.mixer.out_proj, block.mlp.down if block.mlp is not None else None):
-                if proj is not None:
-                    with torch.no_grad():
-                        proj.weight.mul_(1 / math.sqrt(2 * config.n_layer))
+        with torch.no_grad():
+            for b in self.blocks:
+                for proj in [b.mixer.out_proj] + ([b.mlp.down] if b.mlp is not None else []):
+                    proj.weight.mul_(1 / math.sqrt(2 * config.n_layer))
 
     def num_params(self):
-        """Parameters, the tied embedding / LM head counted once (padded vocabulary rows
-        included)."""
+        """Parameters, the tied embedding / LM head once (padded vocabulary rows included)."""
         return sum(p.numel() for p in self.parameters())
 
     def param_groups(self, weight_decay):
-        """AdamW groups: decay on the weight matrices of Linear and Embedding layers, none on
-        dt_bias, D, norm weights, the B/C biases and MIMO's mimo_x, mimo_z, mimo_o. (The official
-        layer exempts only dt_bias and D by name and leaves the rest to the trainer; the mimo
-        vectors are per-channel scales like the norm weights, and decay would pull them toward 0,
-        shrinking the layer's inputs and outputs.)"""
+        """AdamW groups: decay on the weight matrices of Linear and Embedding layers only. (The
+        official layer exempts dt_bias and D by name; the norm weights, B/C biases and the mimo
+        vectors are per-channel scales, which decay would pull toward 0.)"""
         matrices = (nn.Linear, nn.Embedding)
         decay = {id(m.weight): m.weight for m in self.modules() if isinstance(m, matrices)}
         no_decay = [p for p in self.parameters() if id(p) not in decay]
@@ -280,10 +246,8 @@ class Mamba3LM(nn.Module):
         return 6 * matmul_params + 3 * scan
 
     def resets(self, idx):
-        """(B, L) bool: True where the previous token is reset_token (a document starts there);
-        None when the config has no reset_token. Position 0 is never marked: a cached call that
-        follows a reset_token starts from a cache that was already cleared (see
-        _clear_after_reset)."""
+        """(B, L) bool: True after each reset_token (None without one). Position 0 is never marked:
+        a cached call after a reset_token starts from a cleared cache (_clear_after_reset)."""
         if self.config.reset_token is None:
             return None
         return F.pad(idx[:, :-1] == self.config.reset_token, (1, 0))
@@ -330,8 +294,7 @@ class Mamba3LM(nn.Module):
                 for _ in range(cfg.n_layer)]
 
     def _clear_after_reset(self, last, cache):
-        # a sequence whose last consumed token is reset_token continues as a fresh document: zero
-        # its cache rows
+        # a sequence whose last consumed token is reset_token goes on as a fresh document
         if self.config.reset_token is not None:
             done = last == self.config.reset_token  # (B,)
             for layer in cache:
@@ -340,24 +303,21 @@ class Mamba3LM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, idx, cache):
-        """Run idx (B, L) through the chunked scan from the cache's state; returns the last
-        position's logits."""
+        """idx (B, L) through the chunked scan from the cache's state -> the last logits (B, V)."""
         logits = self.logits(self.hidden(idx, cache)[:, -1])
         self._clear_after_reset(idx[:, -1], cache)
         return logits
 
     @torch.no_grad()
     def step(self, tokens, cache):
-        """One token per sequence, tokens (B,) -> logits (B, vocab_size); O(1) work, the cache
-        updated in place."""
+        """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence, in place."""
         logits = self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
         self._clear_after_reset(tokens, cache)
         return logits
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Yield (B,) tokens one at a time: prefill idx (B, L) with the chunked scan, then decode
-        recurrently. temperature 0 means greedy."""
+        """Yield (B,) tokens: prefill idx (B, L), then decode one by one (temperature 0: greedy)."""
         cache = self.init_cache(idx.shape[0])
         logits = self.prefill(idx, cache)
         for i in range(max_new_tokens):
@@ -374,8 +334,7 @@ class Mamba3LM(nn.Module):
 
 
 def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """logits (B, V) -> (B,) int64: greedy at temperature 0, else softmax sampling over the
-    top_k."""
+    """logits (B, V) -> (B,) int64: greedy at temperature 0, else sampled among the top_k."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -385,11 +344,9 @@ def sample_next(logits, temperature=1.0, top_k=None, generator=None):
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
 
-# A training step's memory, measured on a CPU (peak RSS, float32; bf16 autocast keeps less; not
-# measured on GPUs): per token, 213-243 bytes per d_model and layer (180m, small; 321 for tiny,
-# where fixed costs weigh more), under gradient checkpointing 28-32 plus one block's worth, and 11
-# per vocabulary row (the logits, their softmax and gradients); per parameter 16 (PARAM_BYTES): the
-# weights, their gradients and AdamW's two moments.
+# A training step's memory, measured on a CPU (peak RSS, float32): per token 213-243 bytes per
+# d_model and layer (321 for tiny), 28-32 under gradient checkpointing plus one block's whole, 11
+# per vocabulary row (logits, softmax, gradients); per parameter 16: weights, grads, AdamW moments.
 ACT_BYTES, RECOMPUTED_BYTES, LOGIT_BYTES, PARAM_BYTES = 256, 32, 12, 16
 
 

@@ -3,11 +3,9 @@
     python plot.py out --out run.png                     # one run
     python plot.py runs/small runs/tiny --out cmp.png    # several, overlaid, named by directory
 
-A run directory is a train.py --out-dir: metrics.jsonl holds one JSON object per line ("kind"
-train, eval or event, and the "step"), train and eval records with the "tokens" seen (for older
-runs' records, config.json's total_batch_size, the tokens per step, gives them). A resumed run can
-log a step twice (the steps redone after a crash): the later record wins. Drawn with matplotlib's
-Agg backend, so no display is needed.
+A run directory's metrics.jsonl holds one JSON object per line ("kind" train, eval or event, and
+the "step"); train and eval records carry the "tokens" seen (older runs': step x config.json's
+total_batch_size). A step logged twice (redone after a crash) counts as its later record.
 """
 import json
 from pathlib import Path
@@ -32,50 +30,41 @@ class PlotError(ValueError):
 
 
 def read_metrics(run_dir: Path) -> dict:
-    """{"train": [record, ...], "eval": [...]} of one run, sorted by step, one record per step (the
-    last one logged), each with its "tokens" seen."""
+    """{"train": [records], "eval": [records]} of one run: each step's last, with its tokens."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{run_dir}: expected a train.py run directory holding metrics.jsonl, "
-                        f"found none")
+                        "found none")
     by_step = {"train": {}, "eval": {}}
     # errors="replace": a line that is not text fails below, as invalid JSON, with its number
     with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        for lineno, line in ((n, line) for n, line in enumerate(f, 1) if line.strip()):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found "
                                 f"invalid JSON ({e})") from None
             kind = rec.get("kind") if isinstance(rec, dict) else None
-            has_step = kind not in by_step or isinstance(rec.get("step"), int)
-            if not isinstance(rec, dict) or not has_step:
+            if not isinstance(rec, dict) or (kind in by_step
+                                             and not isinstance(rec.get("step"), int)):
                 raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
                                 f"with an integer step), found {line[:80]!r}")
             if kind in by_step:
                 by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
-    per_step = None  # tokens per step, read only when a record does not carry its tokens
-    for rec in metrics["train"] + metrics["eval"]:
-        if "tokens" not in rec:
-            per_step = per_step or tokens_per_step(run_dir)
-            rec["tokens"] = rec["step"] * per_step
+    if untold := [r for r in metrics["train"] + metrics["eval"] if "tokens" not in r]:
+        config = run_dir / "config.json"  # an older run's: tokens per step from its config
+        try:
+            n = json.loads(config.read_text()).get("total_batch_size")
+        except (OSError, ValueError, AttributeError) as e:
+            raise PlotError(f"{config}: expected train.py's config with total_batch_size (tokens "
+                            f"per step), could not read it ({e})") from None
+        if not isinstance(n, int) or n < 1:
+            raise PlotError(f"{config}: expected total_batch_size to be a positive number of "
+                            f"tokens, found {n!r}")
+        for rec in untold:
+            rec["tokens"] = rec["step"] * n
     return metrics
-
-
-def tokens_per_step(run_dir: Path) -> int:
-    path = run_dir / "config.json"
-    try:
-        n = json.loads(path.read_text()).get("total_batch_size")
-    except (OSError, ValueError, AttributeError) as e:
-        raise PlotError(f"{path}: expected train.py's config with total_batch_size (tokens per "
-                        f"step), could not read it ({e})") from None
-    if not isinstance(n, int) or n < 1:
-        raise PlotError(f"{path}: expected total_batch_size to be a positive number of tokens, "
-                        f"found {n!r}")
-    return n
 
 
 def series(records, key):
@@ -117,8 +106,7 @@ def main(
     out: Path = typer.Option(..., "--out", "-o", help="The image to write: .png (or another format "
                              "matplotlib writes, by its suffix: .svg, .pdf)."),
 ):
-    """Plot train and validation loss, learning rate and tokens/s against tokens seen, for one run
-    or several."""
+    """Plot train and validation loss, learning rate and tokens/s against tokens seen."""
     with cli_errors(PlotError):
         if not out.parent.is_dir():
             raise PlotError(f"--out {out}: expected a file in an existing directory, found no "
