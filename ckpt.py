@@ -1,14 +1,12 @@
 """Checkpoints: atomic save, discovery, verified load, retention, and the one writer's lock.
 
-Step N of a run is three files; the meta records the other two's bytes and sha256:
+Step N of a run is three files, each written to ".NAME.tmp", fsynced and renamed, the meta last as
+the commit (a kill at any instant leaves the new step whole or not counting):
     model_step_N.safetensors   the unwrapped model's weights (a tied tensor under each name)
     optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, weights_only
-    meta_step_N.json           the caller's meta + step, time, versions, model_config, files
-Each is written to ".NAME.tmp" and fsynced, the data files are renamed into place, then the meta as
-the commit: a kill at any instant leaves the new step whole or not counting. A step counts when its
-files have the sizes its meta records; load checks their sha256 too, before it changes anything; a
-step that fails is reported and skipped, never deleted. A model sharded with FSDP is saved and
-loaded as full tensors (every rank calls save and load, rank 0 writes): any run reads it.
+    meta_step_N.json           the caller's meta + step, time, versions, model_config, and the
+                               others' bytes and sha256
+A model sharded with FSDP is saved and loaded as full tensors: any run reads it.
 """
 import dataclasses
 import errno
@@ -59,8 +57,7 @@ class ModelMismatch(CheckpointError):
 STEP_FILE = re.compile(r"(?:model|optim|meta)_step_(0|[1-9][0-9]*)\.(?:safetensors|pt|json)")
 _written = set()  # (directory, step) saved by this process: known good, retention need not re-hash
 _warned = set()  # what list_steps skipped, reported once per process
-# a model sharded by FSDP2 and its optimizer <-> full tensors on the CPU (on rank 0 only, gathered)
-FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
+FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)  # FSDP2 <-> full
 _UMASK = os.umask(0o022)  # Python reads the umask only by setting it: set back at once
 os.umask(_UMASK)
 FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; safetensors writes 0600 whatever it is
@@ -80,18 +77,10 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
     _check(meta, "meta", json=True)
-    tensors, optimizer_state = _full_state(module, optimizer)
+    tensors, optim = _state(module, optimizer)
     if tensors is None:  # a rank of a sharded model, which has sent its shards to rank 0
         return None
-    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    numpy = dict(zip(["name", "keys", "pos", "has_gauss", "cached_gaussian"], np.random.get_state()))
-    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
-    rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(), "numpy": numpy}
-    _check(optim := {"optimizer": optimizer_state, "rng": rng}, "optimizer file")
-    first = {}  # safetensors refuses tensors that share memory (the tied embedding and head): copies
-    tensors = {k: t.contiguous() if first.setdefault(t.untyped_storage().data_ptr(), k) == k
-               else t.clone() for k, t in tensors.items()}
+    _check(optim, "optimizer file")
     d, names = Path(dir), _names(step)
     tmp = {name: d / f".{name}.tmp" for name in names}  # never a step's name
     writers = [lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"}),
@@ -99,8 +88,7 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     committed = False
     try:
         d.mkdir(parents=True, exist_ok=True)
-        # what killed saves and retentions leave: temporary files, the data of a step without a
-        # meta. Only d's one writer is here, so none of it is a save in progress.
+        # what killed saves and retentions leave (d has one writer: none of it is a save under way)
         orphans = [ps for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps)]
         for p in sum(orphans, []) + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
             p.unlink()
@@ -116,18 +104,25 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
             fsync(d)
     except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
         if committed:  # only the last fsync failed: the step is there, but may not outlive a crash
-            raise CheckpointError(f"checkpoint step {step} was written to {d}, but syncing it "
-                                  f"failed ({e}), so a power loss may undo it: check the disk") from None
+            raise CheckpointError(f"checkpoint step {step} was written to {d}, but a power loss "
+                                  f"may undo it: syncing failed ({e}); check the disk") from None
         for p in tmp.values():
             p.unlink(missing_ok=True)
         free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free" if d.is_dir() else "no directory"
         fix = "The disk reports an I/O error: check it" if getattr(e, "errno", 0) == errno.EIO \
             else "Free space or fix permissions"
-        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free} there): {e}. "
-                              f"{fix}; the checkpoints there are untouched") from None
+        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free} there): "
+                              f"{e}. {fix}; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))
-    if keep_last is not None:
-        _retain(d, keep_last, step)
+    for s in [s for s in list_steps(d)[:-keep_last] if s != step] if keep_last else []:
+        if (d.resolve(), s) not in _written:  # not written by this process: goes if it verifies
+            try:
+                read_meta(d, s, verify=True)
+            except CheckpointError as e:
+                warnings.warn(f"retention keeps {e}", stacklevel=2)
+                continue
+        for name in reversed(_names(s)):  # meta first: the step stops counting, then the data go
+            (d / name).unlink(missing_ok=True)
     return tuple(d / name for name in names)
 
 
@@ -135,21 +130,31 @@ def _unwrap(model):
     # DDP keeps the model in `.module`, torch.compile in `._orig_mod`, and they nest; a wrapper has
     # just that one child, unlike a model that happens to have a submodule called `module`
     inner = getattr(model, "_orig_mod", getattr(model, "module", None))
-    wrapper = isinstance(inner, torch.nn.Module) and list(model.children()) == [inner]
-    return _unwrap(inner) if wrapper else model
+    return _unwrap(inner) if [inner] == list(model.children()) else model
 
 
-def _full_state(module, optimizer):
-    # FSDP2 sends each tensor in turn to rank 0's CPU, so that no rank holds it all on its device;
-    # its optimizer's state, keyed by name, is stored by number as an unsharded one's is
+def _state(module, optimizer):
+    # The tensors and the optimizer file to write; (None, None) on the other ranks of a model
+    # sharded by FSDP2, which sends each tensor in turn to rank 0's CPU (no rank holds it all on its
+    # device), its optimizer's state, keyed by name, renumbered as an unsharded one's is.
     if not any(isinstance(p, DTensor) for p in module.parameters()):
-        return module.state_dict(), optimizer and optimizer.state_dict()
-    tensors = dcp.get_model_state_dict(module, options=FULL)
-    state = optimizer and dcp.get_optimizer_state_dict(module, optimizer, options=FULL)
-    if dist.get_rank() != 0:
-        return None, None
-    order = [name for group in state["param_groups"] for name in group["params"]] if state else []
-    return tensors, state and _rekey(state, {name: i for i, name in enumerate(order)})
+        tensors, state = module.state_dict(), optimizer and optimizer.state_dict()
+    else:
+        tensors = dcp.get_model_state_dict(module, options=FULL)
+        state = optimizer and dcp.get_optimizer_state_dict(module, optimizer, options=FULL)
+        if dist.get_rank() != 0:
+            return None, None
+        order = state and [name for group in state["param_groups"] for name in group["params"]]
+        state = state and _rekey(state, {name: i for i, name in enumerate(order)})
+    first = {}  # safetensors refuses tensors sharing memory (the tied embedding and head): copies
+    tensors = {k: t.contiguous() if first.setdefault(t.untyped_storage().data_ptr(), k) == k
+               else t.clone() for k, t in tensors.items()}
+    numpy = dict(zip("name keys pos has_gauss cached_gaussian".split(), np.random.get_state()))
+    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
+    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return tensors, {"optimizer": state, "rng": {"torch": torch.get_rng_state(), "cuda": cuda,
+                                                 "python": random.getstate(), "numpy": numpy}}
 
 
 def _rekey(state, key):  # an optimizer's state dict, its parameters renamed by `key`
@@ -164,15 +169,15 @@ def _set_rng(rng, scratch=False):
     cpu.set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
     python.setstate(rng["python"])
     numpy.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
-    cuda = None if rng["cuda"] is None else rng["cuda"].cpu()  # (weights_only: a tensor, or fails)
-    if not scratch and cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda)
+    if not scratch and rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
 
 
 def _check(x, where, json=False):
     # refused at the save, not at the resume that cannot read it: what weights_only=True does not
     # unpickle, or (json) what JSON does not hold exactly (json.dumps writes NaN, int keys as str)
-    plain = (str, int, float, type(None)) + (() if json else (torch.Tensor, torch.dtype, torch.device))
+    plain = (str, int, float, type(None)) + (() if json else (torch.Tensor, torch.dtype,
+                                                             torch.device))
     if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(
             isinstance(k, str if json else (str, int)) for k in x):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
@@ -190,18 +195,6 @@ def _write(tmp, write):
     with ThreadPoolExecutor(2) as pool:
         _, digest = pool.map(lambda f: f(tmp), [fsync, sha256])
     return {"bytes": tmp.stat().st_size, "sha256": digest}
-
-
-def _retain(d, keep_last, just_written):
-    for step in [s for s in list_steps(d)[:-keep_last] if s != just_written]:
-        if (d.resolve(), step) not in _written:  # not written by this process: goes if it verifies
-            try:
-                read_meta(d, step, verify=True)
-            except CheckpointError as e:
-                warnings.warn(f"retention keeps {e}", stacklevel=3)
-                continue
-        for name in reversed(_names(step)):  # meta first: the step stops counting, then the data go
-            (d / name).unlink(missing_ok=True)
 
 
 def lock(dir):
@@ -255,7 +248,7 @@ def latest_step(dir):
 
 def read_meta(dir, step, verify=False):
     """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
-    d, names, where = Path(dir), _names(step), f"step {step} in {Path(dir)}"
+    d, names = Path(dir), _names(step)
     if not any((d / name).exists() for name in names):
         raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: "
                                    f"{list_steps(d) or 'none'}")
@@ -264,18 +257,18 @@ def read_meta(dir, step, verify=False):
         files = {name: meta["files"][name] for name in names[:2]}  # (KeyError: not this step's)
         for name, want in files.items():
             if (size := (d / name).stat().st_size) != want["bytes"]:
-                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {names[2]} "
-                                      f"says {want['bytes']}")
+                raise CheckpointError(f"step {step} in {d} is damaged: {name} has {size} bytes, "
+                                      f"its meta says {want['bytes']}")
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
             found = dict(zip(files, pool.map(sha256, [d / n for n in files] if verify else [])))
     except FileNotFoundError as e:  # also as retention removes one: readers take no lock
-        raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is "
-                                   "missing") from None
+        raise IncompleteCheckpoint(f"step {step} in {d} is incomplete: {Path(e.filename).name} "
+                                   "is missing") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where} is unreadable: {d / names[2]} is not a valid meta file "
-                              f"({e})") from None
+        raise CheckpointError(f"step {step} in {d} is unreadable: {names[2]} is not a valid meta "
+                              f"file ({e})") from None
     if bad := [name for name in found if found[name] != files[name]["sha256"]]:
-        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 mismatch)")
+        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 differs)")
     return meta
 
 
@@ -310,8 +303,7 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
             else:
                 optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: the optimizer state does not fit the optimizer: "
-                                  f"{e}") from None
+            raise CheckpointError(f"{where}: its optimizer state does not fit: {e}") from None
     if sharded:  # every rank keeps its shards of the full tensors
         dcp.set_model_state_dict(module, tensors, options=FULL)
     else:  # (copied to the model's device, in place: tied parameters stay tied)
@@ -322,14 +314,13 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
 
 
 def _check_fit(module, saved, tensors, strict, where):
-    # config, keys and shapes must agree; with strict=False the shapes only (loading the keys both
-    # have). A config field newer than the checkpoint counts as its default, so that older
-    # checkpoints keep loading; tuples compare as the lists JSON gives back.
+    # config, keys and shapes must agree, or with strict=False the shapes (the keys both have load).
+    # A config field newer than the checkpoint counts as its default: older checkpoints still load.
     own, diffs, absent = module.state_dict(), [], "<absent>"
     if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
         new = {f.name: f.default for f in dataclasses.fields(live)
                if f.default is not dataclasses.MISSING}
-        live, saved = (json.loads(json.dumps(c, default=repr))
+        live, saved = (json.loads(json.dumps(c, default=repr))  # (a tuple compares as JSON's list)
                        for c in (dataclasses.asdict(live), {**new, **saved}))
         diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
                  for k in sorted(saved | live) if saved.get(k, absent) != live.get(k, absent)]
@@ -354,8 +345,8 @@ def newest(dir, load_step):
         except CorruptCheckpoint as e:
             warnings.warn(f"{e}; trying an earlier step", stacklevel=3)
         except IncompleteCheckpoint:
-            warnings.warn(f"checkpoint step {steps[-1]} in {dir} was deleted as it was read (by the "
-                          "retention of the run writing there, or moved aside)", stacklevel=3)
+            warnings.warn(f"checkpoint step {steps[-1]} in {dir} was deleted as it was read (by "
+                          "the retention of the run writing there, or moved aside)", stacklevel=3)
         failed.add(steps[-1])
     return None, None
 
