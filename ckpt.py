@@ -68,9 +68,8 @@ def _names(step):
 
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
-    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
-    three paths (None on a sharded model's other ranks). keep_last=K then deletes all but the K
-    highest steps, never the one just written nor one that fails to verify."""
+    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return its
+    paths (None on a sharded model's other ranks). keep_last=K: delete steps below the K highest."""
     module, libs = _unwrap(model), (torch, np, safetensors)
     meta = dict(meta or {}, step=step, time=time.time(), versions=dict(
         {m.__name__: m.__version__ for m in libs}, python=platform.python_version()))
@@ -134,9 +133,8 @@ def _unwrap(model):
 
 
 def _state(module, optimizer):
-    # The tensors and the optimizer file to write; (None, None) on the other ranks of a model
-    # sharded by FSDP2, which sends each tensor in turn to rank 0's CPU (no rank holds it all on its
-    # device), its optimizer's state, keyed by name, renumbered as an unsharded one's is.
+    # What save writes; (None, None) on the other ranks of a model sharded by FSDP2, which sends
+    # each tensor in turn to rank 0's CPU (none holds it all), its optimizer's state renumbered.
     if not any(isinstance(p, DTensor) for p in module.parameters()):
         tensors, state = module.state_dict(), optimizer and optimizer.state_dict()
     else:
@@ -273,9 +271,8 @@ def read_meta(dir, step, verify=False):
 
 
 def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
-    """Load step `step` of `dir` into `model` (and `optimizer`), all verified and parsed before
-    anything changes; return its meta. strict=False loads the keys both have; restore_rng=True
-    restores the torch, CUDA, Python and NumPy RNGs."""
+    """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything
+    changes; return its meta. strict=False loads the keys both have; restore_rng=True the RNGs."""
     d, module = Path(dir), _unwrap(model)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
     path = d / _names(step)[0]  # (the file being parsed, for errors)
