@@ -167,8 +167,9 @@ def _set_rng(rng, scratch=False):
     cpu.set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
     python.setstate(rng["python"])
     numpy.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
-    if not scratch and rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    cuda = None if rng["cuda"] is None else rng["cuda"].cpu()  # (weights_only: a tensor, or fails)
+    if not scratch and cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _check(x, where, json=False):
@@ -286,7 +287,25 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
             EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
         raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
                                 f"({str(e)[:200]})") from None
-    _check_fit(module, meta.get("model_config"), tensors, strict, where)
+    # config, keys and shapes must agree, or with strict=False the shapes (the keys both have load).
+    # A config field newer than the checkpoint counts as its default: older checkpoints still load.
+    own, diffs, absent, saved = module.state_dict(), [], "<absent>", meta.get("model_config")
+    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
+        new = {f.name: f.default for f in dataclasses.fields(live)
+               if f.default is not dataclasses.MISSING}
+        live, saved = (json.loads(json.dumps(c, default=repr))  # (a tuple compares as JSON's list)
+                       for c in (dataclasses.asdict(live), {**new, **saved}))
+        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
+                 for k in sorted(saved | live) if saved.get(k, absent) != live.get(k, absent)]
+    diffs += [f"{k}: not in the {'model' if k in tensors else 'checkpoint'}"
+              for k in sorted(own.keys() ^ tensors.keys())]
+    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
+              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
+    if shapes or diffs and strict:
+        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
+    if diffs:
+        warnings.warn(f"{where} is from another model, loading the keys both have: "
+                      f"{'; '.join(diffs)}", stacklevel=2)
     sharded = any(isinstance(p, DTensor) for p in module.parameters())
     if optimizer is not None:  # before the model, which then changes only if both fit
         if state["optimizer"] is None:
@@ -308,28 +327,6 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
     if restore_rng:
         _set_rng(state["rng"])
     return meta
-
-
-def _check_fit(module, saved, tensors, strict, where):
-    # config, keys and shapes must agree, or with strict=False the shapes (the keys both have load).
-    # A config field newer than the checkpoint counts as its default: older checkpoints still load.
-    own, diffs, absent = module.state_dict(), [], "<absent>"
-    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
-        new = {f.name: f.default for f in dataclasses.fields(live)
-               if f.default is not dataclasses.MISSING}
-        live, saved = (json.loads(json.dumps(c, default=repr))  # (a tuple compares as JSON's list)
-                       for c in (dataclasses.asdict(live), {**new, **saved}))
-        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
-                 for k in sorted(saved | live) if saved.get(k, absent) != live.get(k, absent)]
-    diffs += [f"{k}: not in the {'model' if k in tensors else 'checkpoint'}"
-              for k in sorted(own.keys() ^ tensors.keys())]
-    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
-              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
-    if shapes or diffs and strict:
-        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
-    if diffs:
-        warnings.warn(f"{where} is from another model, loading the keys both have: "
-                      f"{'; '.join(diffs)}", stacklevel=3)
 
 
 def newest(dir, load_step):
