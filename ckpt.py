@@ -5,8 +5,9 @@ the commit (a kill at any instant leaves the new step whole or not counting):
     model_step_N.safetensors   the unwrapped model's weights (a tied tensor under each name)
     optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, weights_only
     meta_step_N.json           the caller's meta + step, time, versions, model_config, and the
-                               others' bytes and sha256
-A model sharded with FSDP is saved and loaded as full tensors: any run reads it.
+                               other two's bytes and sha256
+A step that fails verification is reported and skipped, never deleted. A model sharded by FSDP is
+saved and loaded as full tensors (all ranks call save and load, rank 0 writes): any run reads it.
 """
 import dataclasses
 import errno
