@@ -130,12 +130,13 @@ def _unwrap(model):
     # DDP keeps the model in `.module`, torch.compile in `._orig_mod`, and they nest; a wrapper has
     # just that one child, unlike a model that happens to have a submodule called `module`
     inner = getattr(model, "_orig_mod", getattr(model, "module", None))
-    return _unwrap(inner) if [inner] == list(model.children()) else model
+    wrapper = isinstance(inner, torch.nn.Module) and list(model.children()) == [inner]
+    return _unwrap(inner) if wrapper else model
 
 
 def _state(module, optimizer):
-    # What save writes; (None, None) on the other ranks of a model sharded by FSDP2, which sends
-    # each tensor in turn to rank 0's CPU (none holds it all), its optimizer's state renumbered.
+    # What save writes, or (None, None) on the other ranks of an FSDP2 model: it sends each tensor
+    # in turn to rank 0's CPU (none holds it all), its optimizer's state keyed by number, as DDP's.
     if not any(isinstance(p, DTensor) for p in module.parameters()):
         tensors, state = module.state_dict(), optimizer and optimizer.state_dict()
     else:
