@@ -69,8 +69,9 @@ def _names(step):
 
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
-    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return its
-    paths (None on a sharded model's other ranks). keep_last=K: delete steps below the K highest."""
+    """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
+    three paths (None on a sharded model's other ranks). keep_last=K then deletes all but the K
+    highest steps, never the one just written nor one that fails to verify."""
     module, libs = _unwrap(model), (torch, np, safetensors)
     meta = dict(meta or {}, step=step, time=time.time(), versions=dict(
         {m.__name__: m.__version__ for m in libs}, python=platform.python_version()))
@@ -213,7 +214,8 @@ def lock(dir):
     except (FileExistsError, NotADirectoryError):  # (what mkdir and open say of a file there)
         raise CheckpointError(f"{d} is a file (or lies under one), not a directory") from None
     except OSError as e:  # (a file system without locks, say)
-        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory") from None
+        raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
+                              "permissions") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     return f
