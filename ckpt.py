@@ -1,15 +1,13 @@
 """Checkpoints: atomic save, discovery, verified load, retention, and the one writer's lock.
 
-Step N of a run is three files; the meta records the other two's bytes and sha256:
+Step N of a run is three files, each written to ".NAME.tmp", fsynced and renamed, the meta last as
+the commit (a kill at any instant leaves the new step whole or not counting):
     model_step_N.safetensors   the unwrapped model's weights (a tied tensor under each name)
     optim_step_N.pt            {"optimizer": state_dict or None, "rng": RNG states}, weights_only
-    meta_step_N.json           the caller's meta + step, time, versions, model_config, files
-
-Each file is written to ".NAME.tmp" and fsynced, the data files are renamed into place, then the
-meta as the commit: a kill at any instant leaves the new step whole or not counting. A step counts
-when its files have the sizes its meta records; load checks their sha256 too, before it changes
-anything; a step that fails is reported and skipped, never deleted. A model sharded with FSDP is
-saved and loaded as full tensors (every rank calls save and load, rank 0 writes): any run reads it.
+    meta_step_N.json           the caller's meta + step, time, versions, model_config, and the
+                               other two's bytes and sha256
+A step that fails verification is reported and skipped, never deleted. A model sharded by FSDP is
+saved and loaded as full tensors (all ranks call save and load, rank 0 writes): any run reads it.
 """
 import dataclasses
 import errno
@@ -51,7 +49,6 @@ class IncompleteCheckpoint(CheckpointError):
 
 class ModelMismatch(CheckpointError):
     """Another model (config, keys, shapes) than the one it is loaded into: `what` says how."""
-
     def __init__(self, what):
         super().__init__(f"{what}. Build the model from its meta['model_config'], or where shapes "
                          "agree strict=False loads the keys both have")
@@ -61,8 +58,7 @@ class ModelMismatch(CheckpointError):
 STEP_FILE = re.compile(r"(?:model|optim|meta)_step_(0|[1-9][0-9]*)\.(?:safetensors|pt|json)")
 _written = set()  # (directory, step) saved by this process: known good, retention need not re-hash
 _warned = set()  # what list_steps skipped, reported once per process
-# a model sharded by FSDP2 and its optimizer <-> full tensors on the CPU (on rank 0 only, gathered)
-FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)
+FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True, strict=False)  # FSDP2 <-> full
 _UMASK = os.umask(0o022)  # Python reads the umask only by setting it: set back at once
 os.umask(_UMASK)
 FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; safetensors writes 0600 whatever it is
@@ -74,28 +70,29 @@ def _names(step):
 
 def save(dir, step, model, optimizer, meta, keep_last=None):
     """Write (or rewrite) step `step` of `model` and `optimizer` (or None) into `dir`; return the
-    three paths (None on the other ranks of a sharded model). keep_last=K then deletes all but the K
+    three paths (None on a sharded model's other ranks). keep_last=K then deletes all but the K
     highest steps, never the one just written nor one that fails to verify."""
-    module = _unwrap(model)
-    versions = {m.__name__: m.__version__ for m in (torch, np, safetensors)}
-    meta = dict(meta or {}, step=step, time=time.time(),
-                versions=dict(versions, python=platform.python_version()))
+    module, libs = _unwrap(model), (torch, np, safetensors)
+    meta = dict(meta or {}, step=step, time=time.time(), versions=dict(
+        {m.__name__: m.__version__ for m in libs}, python=platform.python_version()))
     if dataclasses.is_dataclass(config := getattr(module, "config", None)):
         meta["model_config"] = dataclasses.asdict(config)
     _check(meta, "meta", json=True)
-    tensors, optimizer_state = _full_state(module, optimizer)
+    tensors, optim = _state(module, optimizer)
     if tensors is None:  # a rank of a sharded model, which has sent its shards to rank 0
         return None
-    optim = {"optimizer": optimizer_state, "rng": _rng_state()}
     _check(optim, "optimizer file")
     d, names = Path(dir), _names(step)
     tmp = {name: d / f".{name}.tmp" for name in names}  # never a step's name
-    writers = [lambda p: safetensors.torch.save_file(_independent(tensors), p, {"format": "pt"}),
+    writers = [lambda p: safetensors.torch.save_file(tensors, p, {"format": "pt"}),
                lambda p: torch.save(optim, p)]
     committed = False
     try:
         d.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(d)
+        # what killed saves and retentions leave (d has one writer: none of it is a save under way)
+        orphans = [ps for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps)]
+        for p in sum(orphans, []) + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
+            p.unlink()
         with ThreadPoolExecutor(2) as pool:  # independent files; writing and hashing free the GIL
             meta["files"] = dict(zip(names, pool.map(_write, map(tmp.get, names), writers)))
         _write(tmp[names[2]], lambda p: p.write_text(json.dumps(meta, indent=2)))
@@ -108,19 +105,25 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
             fsync(d)
     except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # a full disk, in 3 dialects
         if committed:  # only the last fsync failed: the step is there, but may not outlive a crash
-            raise CheckpointError(f"checkpoint step {step} was written to {d}, but syncing the "
-                                  f"directory failed ({e}), so a power loss may undo it; the disk "
-                                  f"reports an error: check it before training on") from None
+            raise CheckpointError(f"checkpoint step {step} was written to {d}, but a power loss "
+                                  f"may undo it: syncing failed ({e}); check the disk") from None
         for p in tmp.values():
             p.unlink(missing_ok=True)
         free = f"{shutil.disk_usage(d).free / 1e9:.1f} GB free" if d.is_dir() else "no directory"
-        fix = ("The disk reports an I/O error: check it" if getattr(e, "errno", None) == errno.EIO
-               else "Free space or fix permissions")
-        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free} there): {e}. "
-                              f"{fix}; the checkpoints there are untouched") from None
+        fix = "The disk reports an I/O error: check it" if getattr(e, "errno", 0) == errno.EIO \
+            else "Free space or fix permissions"
+        raise CheckpointError(f"could not write checkpoint step {step} in {d} ({free} there): "
+                              f"{e}. {fix}; the checkpoints there are untouched") from None
     _written.add((d.resolve(), step))
-    if keep_last is not None:
-        _retain(d, keep_last, step)
+    for s in [s for s in list_steps(d)[:-keep_last] if s != step] if keep_last else []:
+        if (d.resolve(), s) not in _written:  # not written by this process: goes if it verifies
+            try:
+                read_meta(d, s, verify=True)
+            except CheckpointError as e:
+                warnings.warn(f"retention keeps {e}", stacklevel=2)
+                continue
+        for name in reversed(_names(s)):  # meta first: the step stops counting, then the data go
+            (d / name).unlink(missing_ok=True)
     return tuple(d / name for name in names)
 
 
@@ -132,47 +135,32 @@ def _unwrap(model):
     return _unwrap(inner) if wrapper else model
 
 
-def _sharded(module):
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def _full_state(module, optimizer):
-    # FSDP2 sends each tensor in turn to rank 0's CPU, so that no rank holds it all on its device.
-    # Its optimizer's state, keyed by parameter name, is stored by number as an unsharded one's
-    # is, so that any run reads it. Rank 0 gets both, the other ranks (None, None).
-    if not _sharded(module):
-        return module.state_dict(), optimizer and optimizer.state_dict()
-    tensors = dcp.get_model_state_dict(module, options=FULL)
-    state = optimizer and dcp.get_optimizer_state_dict(module, optimizer, options=FULL)
-    if dist.get_rank() != 0:
-        return None, None
-    names = [name for group in state["param_groups"] for name in group["params"]] if state else []
-    return tensors, state and _rekey(state, {name: i for i, name in enumerate(names)})
+def _state(module, optimizer):
+    # What save writes, or (None, None) on the other ranks of an FSDP2 model: it sends each tensor
+    # in turn to rank 0's CPU (none holds it all), its optimizer's state keyed by number, as DDP's.
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        tensors, state = module.state_dict(), optimizer and optimizer.state_dict()
+    else:
+        tensors = dcp.get_model_state_dict(module, options=FULL)
+        state = optimizer and dcp.get_optimizer_state_dict(module, optimizer, options=FULL)
+        if dist.get_rank() != 0:
+            return None, None
+        order = state and [name for group in state["param_groups"] for name in group["params"]]
+        state = state and _rekey(state, {name: i for i, name in enumerate(order)})
+    first = {}  # safetensors refuses tensors sharing memory (the tied embedding and head): copies
+    tensors = {k: t.contiguous() if first.setdefault(t.untyped_storage().data_ptr(), k) == k
+               else t.clone() for k, t in tensors.items()}
+    numpy = dict(zip("name keys pos has_gauss cached_gaussian".split(), np.random.get_state()))
+    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
+    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return tensors, {"optimizer": state, "rng": {"torch": torch.get_rng_state(), "cuda": cuda,
+                                                 "python": random.getstate(), "numpy": numpy}}
 
 
 def _rekey(state, key):  # an optimizer's state dict, its parameters renamed by `key`
     return {"state": {key[k]: v for k, v in state["state"].items()}, "param_groups": [
         dict(group, params=[key[k] for k in group["params"]]) for group in state["param_groups"]]}
-
-
-def _independent(state):
-    # safetensors refuses tensors that share memory (the tied embedding and head): write copies
-    seen, out = set(), {}
-    for name, t in state.items():
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen else t.contiguous()  # state_dict() detaches them
-        seen.add(ptr)
-    return out
-
-
-def _rng_state():
-    # the current CUDA device's RNG only: asking for all makes a context on every GPU from rank 0
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    keys = ["name", "keys", "pos", "has_gauss", "cached_gaussian"]  # np.random.get_state()'s
-    numpy = dict(zip(keys, np.random.get_state()))
-    numpy["keys"] = numpy["keys"].tolist()  # an ndarray would not load with weights_only=True
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate(),
-            "numpy": numpy}
 
 
 def _set_rng(rng, scratch=False):
@@ -182,22 +170,21 @@ def _set_rng(rng, scratch=False):
     cpu.set_state(rng["torch"].cpu())  # (the setters want CPU byte tensors)
     python.setstate(rng["python"])
     numpy.set_state(tuple(rng["numpy"].values()))  # in np.random.get_state()'s order
-    if not scratch and rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    cuda = None if rng["cuda"] is None else rng["cuda"].cpu()  # (weights_only: a tensor, or fails)
+    if not scratch and cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _check(x, where, json=False):
     # refused at the save, not at the resume that cannot read it: what weights_only=True does not
-    # unpickle (it takes tensors and plain values), or (json) what JSON does not hold exactly:
-    # json.dumps would quietly turn int keys into strings and write NaN
-    plain = (str, int) if json else (str, int, float, torch.Tensor, torch.dtype, torch.device)
-    leaf = lambda x: x is None or isinstance(x, plain) or (  # noqa: E731
-        json and isinstance(x, float) and math.isfinite(x))
+    # unpickle, or (json) what JSON does not hold exactly (json.dumps writes NaN, int keys as str)
+    plain = (str, int, float, type(None)) + (() if json else (torch.Tensor, torch.dtype,
+                                                             torch.device))
     if isinstance(x, (list, tuple)) or isinstance(x, dict) and all(
-            isinstance(k, str) if json else leaf(k) for k in x):
+            isinstance(k, str if json else (str, int)) for k in x):
         for k, v in x.items() if isinstance(x, dict) else enumerate(x):
             _check(v, f"{where}[{k!r}]", json)
-    elif not leaf(x):
+    elif not isinstance(x, plain) or json and isinstance(x, float) and not math.isfinite(x):
         raise CheckpointError(f"{where} is {str(x)[:60]} ({type(x).__name__}), which " + (
             "JSON cannot hold exactly; store plain values (finite floats, str keys)" if json else
             "torch.load(weights_only=True) refuses; store tensors and plain values"))
@@ -212,30 +199,9 @@ def _write(tmp, write):
     return {"bytes": tmp.stat().st_size, "sha256": digest}
 
 
-def _remove_leftovers(d):
-    # What killed saves and retentions leave: temporary files, and the data files of a step without
-    # a meta. Only the one writer of d calls this, so none of it can be a save in progress.
-    orphans = [p for ps in step_files(d).values() if all(p.suffix != ".json" for p in ps)
-               for p in ps]
-    for p in orphans + [p for p in d.glob(".*.tmp") if STEP_FILE.match(p.name[1:])]:
-        p.unlink()
-
-
-def _retain(d, keep_last, just_written):
-    for step in [s for s in list_steps(d)[:-keep_last] if s != just_written]:
-        if (d.resolve(), step) not in _written:  # not written by this process: goes if it verifies
-            try:
-                read_meta(d, step, verify=True)
-            except CheckpointError as e:
-                warnings.warn(f"retention keeps {e}", stacklevel=3)
-                continue
-        for name in reversed(_names(step)):  # meta first: the step stops counting, then the data go
-            (d / name).unlink(missing_ok=True)
-
-
 def lock(dir):
-    """Lock `dir` for its one writer (another is refused, naming this one's PID and host) until the
-    returned file is closed or the process ends, however it ends (kill -9 too)."""
+    """Lock `dir` for its one writer until the returned file is closed or the process ends (kill -9
+    too); another is refused, naming this one's PID and host."""
     d = Path(dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -244,13 +210,12 @@ def lock(dir):
     except BlockingIOError:
         holder = (d / ".lock").read_text().strip() or "unknown"
         raise CheckpointError(f"{d} is in use by another run ({holder}); wait for it to finish or "
-                              f"stop it, or use another directory") from None
+                              "stop it, or use another directory") from None
     except (FileExistsError, NotADirectoryError):  # (what mkdir and open say of a file there)
-        raise CheckpointError(f"{d} is a file (or lies under one), not a directory; use another "
-                              f"directory") from None
+        raise CheckpointError(f"{d} is a file (or lies under one), not a directory") from None
     except OSError as e:  # (a file system without locks, say)
         raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix its "
-                              f"permissions") from None
+                              "permissions") from None
     f.truncate(0)
     f.write(f"PID {os.getpid()} on {platform.node()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     return f
@@ -286,41 +251,66 @@ def latest_step(dir):
 
 def read_meta(dir, step, verify=False):
     """The meta of `step` once its files have the sizes it records (verify=True: and the sha256)."""
-    d, names, where = Path(dir), _names(step), f"step {step} in {Path(dir)}"
+    d, names = Path(dir), _names(step)
     if not any((d / name).exists() for name in names):
-        steps = list_steps(d) or "none"
-        raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: {steps}")
+        raise IncompleteCheckpoint(f"no checkpoint for step {step} in {d}; steps there: "
+                                   f"{list_steps(d) or 'none'}")
     try:
         meta = json.loads((d / names[2]).read_text())
         files = {name: meta["files"][name] for name in names[:2]}  # (KeyError: not this step's)
         for name, want in files.items():
             if (size := (d / name).stat().st_size) != want["bytes"]:
-                raise CheckpointError(f"{where} is damaged: {name} has {size} bytes, {names[2]} "
-                                      f"says {want['bytes']}")
+                raise CheckpointError(f"step {step} in {d} is damaged: {name} has {size} bytes, "
+                                      f"its meta says {want['bytes']}")
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
             found = dict(zip(files, pool.map(sha256, [d / n for n in files] if verify else [])))
     except FileNotFoundError as e:  # also as retention removes one: readers take no lock
-        raise IncompleteCheckpoint(f"{where} is incomplete: {Path(e.filename).name} is "
-                                   "missing") from None
+        raise IncompleteCheckpoint(f"step {step} in {d} is incomplete: {Path(e.filename).name} "
+                                   "is missing") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where} is unreadable: {d / names[2]} is not a valid meta file "
-                              f"({e})") from None
+        raise CheckpointError(f"step {step} in {d} is unreadable: {names[2]} is not a valid meta "
+                              f"file ({e})") from None
     if bad := [name for name in found if found[name] != files[name]["sha256"]]:
-        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 "
-                                "mismatch)")
+        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 differs)")
     return meta
 
 
 def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
     """Load step `step` of `dir` into `model` (and `optimizer`), verified and parsed before anything
-    changes; return its meta. strict=False loads the keys both have; restore_rng=True restores the
-    torch, CUDA, Python and NumPy RNGs. Read to the CPU, the tensors are copied to the model's
-    device (load_state_dict moves an optimizer's state to its parameters' too)."""
+    changes; return its meta. strict=False loads the keys both have; restore_rng=True the RNGs."""
     d, module = Path(dir), _unwrap(model)
     meta, where = read_meta(d, step, verify=True), f"checkpoint step {step} in {d}"
-    tensors, state = _read(d, step, where)
-    _check_fit(module, meta.get("model_config"), tensors, strict, where)
-    sharded = _sharded(module)
+    path = d / _names(step)[0]  # (the file being parsed, for errors)
+    try:  # a file whose hash matches may still not be save()'s (written by hand, by another tool)
+        tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
+        state = torch.load(path := d / _names(step)[1], map_location="cpu", weights_only=True)
+        _set_rng(state["rng"], scratch=True)
+    except FileNotFoundError:  # hashed a moment ago: deleted since
+        raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
+    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
+            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
+        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
+                                f"({str(e)[:200]})") from None
+    # config, keys and shapes must agree, or with strict=False the shapes (the keys both have load).
+    # A config field newer than the checkpoint counts as its default: older checkpoints still load.
+    own, diffs, absent, saved = module.state_dict(), [], "<absent>", meta.get("model_config")
+    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
+        new = {f.name: f.default for f in dataclasses.fields(live)
+               if f.default is not dataclasses.MISSING}
+        live, saved = (json.loads(json.dumps(c, default=repr))  # (a tuple compares as JSON's list)
+                       for c in (dataclasses.asdict(live), {**new, **saved}))
+        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
+                 for k in sorted(saved | live) if saved.get(k, absent) != live.get(k, absent)]
+    diffs += [f"{k}: not in the {'model' if k in tensors else 'checkpoint'}"
+              for k in sorted(own.keys() ^ tensors.keys())]
+    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
+              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
+    if shapes or diffs and strict:
+        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
+    if diffs:
+        warnings.warn(f"{where} is from another model, loading the keys both have: "
+                      f"{'; '.join(diffs)}", stacklevel=2)
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
     if optimizer is not None:  # before the model, which then changes only if both fit
         if state["optimizer"] is None:
             raise CheckpointError(f"{where} was saved without optimizer state")
@@ -333,66 +323,19 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
             else:
                 optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: optimizer state does not fit the optimizer: "
-                                  f"{e}") from None
+            raise CheckpointError(f"{where}: its optimizer state does not fit: {e}") from None
     if sharded:  # every rank keeps its shards of the full tensors
         dcp.set_model_state_dict(module, tensors, options=FULL)
-    else:
-        module.load_state_dict(tensors, strict=False)  # copies in place: tied parameters stay tied
+    else:  # (copied to the model's device, in place: tied parameters stay tied)
+        module.load_state_dict(tensors, strict=False)
     if restore_rng:
         _set_rng(state["rng"])
     return meta
 
 
-def _read(d, step, where):
-    # A file whose hash matches may hold another structure than save()'s (written by hand, or by
-    # another tool): both files are parsed, and the RNG states tried, before anything changes.
-    path = d / _names(step)[0]  # (the file being parsed, for errors)
-    try:
-        tensors = safetensors.torch.load_file(path)  # to the CPU: a 2nd copy on a GPU may not fit
-        path = d / _names(step)[1]
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state["optimizer"], (dict, type(None))) or not isinstance(
-                state["rng"]["cuda"], (torch.Tensor, type(None))):
-            raise TypeError("expected {'optimizer': a state dict or None, 'rng': RNG states}")
-        _set_rng(state["rng"], scratch=True)
-    except FileNotFoundError:  # hashed a moment ago: deleted since
-        raise IncompleteCheckpoint(f"{where} is incomplete: {path.name} is missing") from None
-    except (safetensors.SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, ValueError,
-            EOFError, TypeError, KeyError, AttributeError) as e:  # bytes that are not the format
-        raise CorruptCheckpoint(f"{where}: {path.name} matches its sha256 but is unreadable "
-                                f"({str(e)[:200]})") from None
-    return tensors, state
-
-
-def _check_fit(module, saved, tensors, strict, where):
-    # config, keys and shapes must agree; with strict=False the shapes only (loading the keys both
-    # have). A config field newer than the checkpoint counts as its default, so that older
-    # checkpoints keep loading; tuples compare as the lists JSON gives back.
-    own, diffs, absent = module.state_dict(), [], "<absent>"
-    if saved is not None and dataclasses.is_dataclass(live := getattr(module, "config", None)):
-        plain = lambda x: json.loads(json.dumps(x, default=repr))  # noqa: E731
-        new = {f.name: f.default for f in dataclasses.fields(live)
-               if f.default is not dataclasses.MISSING}
-        live, saved = plain(dataclasses.asdict(live)), {**plain(new), **saved}
-        diffs = [f"{k}: checkpoint {saved.get(k, absent)!r}, model {live.get(k, absent)!r}"
-                 for k in sorted(saved.keys() | live.keys())
-                 if saved.get(k, absent) != live.get(k, absent)]
-    diffs += [f"{k}: not in the checkpoint" for k in sorted(own.keys() - tensors.keys())]
-    diffs += [f"{k}: not in the model" for k in sorted(tensors.keys() - own.keys())]
-    shapes = [f"shape of {k}: checkpoint {list(tensors[k].shape)}, model {list(own[k].shape)}"
-              for k in sorted(own.keys() & tensors.keys()) if tensors[k].shape != own[k].shape]
-    if shapes or (diffs and strict):
-        raise ModelMismatch(f"{where} does not fit the model: {'; '.join(diffs + shapes)}")
-    if diffs:
-        warnings.warn(f"{where} is from another model, loading the keys both have: "
-                      f"{'; '.join(diffs)}", stacklevel=3)
-
-
 def newest(dir, load_step):
     """(step, load_step(step)) for the newest step of `dir` that loads, or (None, None). A corrupt
-    step is reported and passed over; one whose files vanish as it is read was deleted by the
-    retention of the run writing there (readers take no lock): the steps are listed again."""
+    step is passed over; a vanished one (retention deletes under readers) has the steps relisted."""
     failed = set()
     while steps := [s for s in list_steps(dir) if s not in failed]:
         try:
@@ -401,14 +344,12 @@ def newest(dir, load_step):
             warnings.warn(f"{e}; trying an earlier step", stacklevel=3)
         except IncompleteCheckpoint:
             warnings.warn(f"checkpoint step {steps[-1]} in {dir} was deleted as it was read (by "
-                          "the retention of the run writing there, or moved aside as it resumed); "
-                          "trying the newest step again", stacklevel=3)
+                          "the retention of the run writing there, or moved aside)", stacklevel=3)
         failed.add(steps[-1])
     return None, None
 
 
 def load_latest(dir, model, optimizer=None, strict=True, restore_rng=False):
     """Load the newest step that verifies: (step, meta), or (None, None). A corrupt or vanished step
-    falls back (see newest); one that does not fit the model is an error (older ones would not
-    either)."""
+    falls back (see newest); one that does not fit the model is an error (older ones would not)."""
     return newest(dir, lambda step: load(dir, step, model, optimizer, strict, restore_rng))
