@@ -127,8 +127,8 @@ class TrainError(Exception):
 
 
 def resolve(cfg, init=None):
-    """The (preset) flags from the recipe (of --init-from's shape: init is its ModelConfig fields),
-    auto settled, and what cannot work refused before anything runs."""
+    """The (preset) flags filled (init: --init-from's ModelConfig fields), auto settled, the
+    impossible refused before anything runs."""
     model = cfg.model or "small"
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
@@ -138,8 +138,7 @@ def resolve(cfg, init=None):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}): "
                              "--model, --vocab-size and --mimo-rank may not change it")
         model = cfg.model or (same + ["small"])[0]
-    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
-              for k, v in RECIPES[model].items()}
+    recipe = {k: v if (f := getattr(cfg, k)) is None else f for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
         recipe["max_steps"] = max(1, 20 * num_params(PRESETS[model]) // recipe["total_batch_size"])
     if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**vars(cfg), **recipe}.items()
@@ -419,8 +418,7 @@ def move_aside(out, step, files, prefix):
     names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
     if names:  # (--overwrite moves the old run's config too)
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-        name = next(n for i in range(99)
-                    if not (out / (n := f"{base}-{i}" if i else base)).exists())
+        name = next(n for i in range(99) if not (out / (n := base + f"-{i}" * (i > 0))).exists())
         (out / f".{name}.moving").mkdir()
         write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
     return finish_moves(out, step)
@@ -551,9 +549,8 @@ def setup(cfg, init, tmp, cleanup):
         raise TrainError(f"--reset-at-eos needs data that records its EOS id (a prepare.py "
                          f"directory); {source.path} does not")
     if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
-        raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} "
-                         f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
-                         f"mean other things")
+        raise TrainError(f"--init-from {cfg.init_from} has the {init[2]['name']} tokenizer, "
+                         f"the data {source.tokenizer['name']}: token ids would mean other things")
     config = ModelConfig(**init[0]) if init else dataclasses.replace(
         PRESETS[cfg.model], vocab_size=vocab, mimo_rank=cfg.mimo_rank or 1)
     if cfg.reset_at_eos:
@@ -633,8 +630,7 @@ def run(cfg, init, tmp, cleanup):
         if step > logged and (step % cfg.log_every == 0 or last_step):
             # the good steps' mean loss and gradient norm (NaN after skipped steps only), the speed
             loss, norm = (sum(v) / len(good) for v in zip(*good)) if good else (math.nan, math.nan)
-            dt = time.time() - t_log
-            tok_per_s = (step - logged) * cfg.total_batch_size / dt
+            tok_per_s = (step - logged) * cfg.total_batch_size / (dt := time.time() - t_log)
             mfu = raw_model.flops_per_token(cfg.seq_len) * tok_per_s / peak if peak else None
             log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm,
                         lr=lr_at(step - 1, cfg), tok_per_s=tok_per_s, mfu=mfu,
