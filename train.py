@@ -5,10 +5,6 @@
     torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 440m
     torchrun --standalone --nproc_per_node=8 train.py --data data/fineweb --model 1.5b --fsdp
     python train.py --data synthetic --model 440m --max-steps 50   # random tokens, for speed tests
-
-Read it top to bottom: the recipes and the config (the command line), what the loop uses, the run
-directory, then `run`: the setup, and the loop. A checkpoint holds all a resumed run needs to
-continue bit for bit: weights, optimizer, data position, step and RNG states.
 """
 import contextlib
 import dataclasses
@@ -26,7 +22,6 @@ import warnings
 from pathlib import Path
 from typing import Annotated, List, Literal, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import typer
@@ -64,35 +59,32 @@ MAX_ROLLBACKS = 3  # rolled back to the same checkpoint this often in a row: it 
 Int = Optional[int]  # None: the preset's value
 
 
-def preset(key, what):
-    """Help text for a flag whose default is the preset's: the values behind "(preset)"."""
+def preset(key, what, low=1):  # the option of a flag whose default is the preset's
     values = ", ".join(f"{p} {r[key]:g}" if r[key] else f"{p} 20 tok/param"
                        for p, r in RECIPES.items())
-    return f"{what} [dim](preset: {values})[/dim]"
+    return Option(min=low, help=f"{what} [dim](preset: {values})[/dim]")
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """A run's settings: the fields are the flags (main takes this signature); resolve() fills the
-    (preset) ones and settles auto. Saved as config.json and in each checkpoint's meta."""
-    data: Annotated[List[str], Option("--data", help="Token data: a prepare.py directory, a "
-                    "nanoGPT .bin file or directory, a shard_*.bin directory or a Megatron prefix; "
-                    "DIR:WEIGHT (repeated) blends; 'synthetic': random tokens (speed tests only).")]
+    """The flags (main's signature); resolve() fills the (preset) ones. Saved in config.json."""
+    data: Annotated[List[str], Option(help="A prepare.py directory, nanoGPT .bin (or directory), "
+                    "shard_*.bin directory or Megatron prefix; DIR:WEIGHT (repeated) blends; "
+                    "'synthetic': random tokens (speed tests only).")]
     model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(help="Model preset; sets the "
                      "(preset) defaults too (default: small, or --init-from's).")] = None
-    init_from: Annotated[Optional[str], Option(help="Start from these weights (fresh optimizer, "
-                         "schedule, data): a run directory or an official mamba_ssm one.")] = None
+    init_from: Annotated[Optional[str], Option(help="Start from the weights of a run directory "
+                         "or an official mamba_ssm one (fresh optimizer, schedule, data).")] = None
     reset_at_eos: Annotated[bool, Option(help="Reset the state after each EOS.")] = False
-    mimo_rank: Annotated[Int, Option(min=1, help="MIMO rank R of the layers; 1 is SISO (default: "
-                         "1, or --init-from's).")] = None
+    mimo_rank: Annotated[Int, Option(min=1, help="MIMO rank R; 1: SISO (default: 1, or "
+                         "--init-from's).")] = None
     # the batch and the schedule
-    seq_len: Annotated[Int, Option(min=1, help=preset("seq_len", "Context length."))] = None
-    batch_size: Annotated[Int, Option(min=1, help=preset("batch_size", "Sequences per device and "
-                          "micro-step."))] = None
-    total_batch_size: Annotated[Int, Option(min=1, help=preset("total_batch_size", "Tokens per "
-                                "optimizer step over all devices; sets the accumulation."))] = None
-    max_steps: Annotated[Int, Option(min=1, help=preset("max_steps", "Optimizer steps."))] = None
-    lr: Annotated[Optional[float], Option(help=preset("lr", "Peak learning rate (> 0)."))] = None
+    seq_len: Annotated[Int, preset("seq_len", "Context length.")] = None
+    batch_size: Annotated[Int, preset("batch_size", "Sequences per device and micro-step.")] = None
+    total_batch_size: Annotated[Int, preset("total_batch_size", "Tokens per optimizer step over "
+                                            "all devices; sets the accumulation.")] = None
+    max_steps: Annotated[Int, preset("max_steps", "Optimizer steps.")] = None
+    lr: Annotated[Optional[float], preset("lr", "Peak learning rate (> 0).", None)] = None
     min_lr: Annotated[float, Option(min=0, help="Final learning rate (at most --lr).")] = 1e-5
     warmup_steps: Annotated[Int, Option(min=0, help="Default: 10% of --max-steps, <= 2000.")] = None
     schedule: Annotated[Literal["cosine", "wsd"], Option(help="After warmup: cosine decay, or wsd: "
@@ -106,8 +98,8 @@ class TrainConfig:
     compile: Annotated[Optional[bool], Option("--compile/--no-compile",
                        help="torch.compile (default: on CUDA).")] = None
     grad_checkpointing: Annotated[bool, Option(help="Recompute in backward: less memory.")] = False
-    fsdp: Annotated[bool, Option(help="Shard the weights, gradients and optimizer over the ranks "
-                    "(FSDP2): for models whose training state does not fit one GPU.")] = False
+    fsdp: Annotated[bool, Option(help="Shard weights, gradients and optimizer over the ranks "
+                    "(FSDP2), for training state that does not fit one GPU.")] = False
     # the vocabulary
     vocab_size: Annotated[Int, Option(min=1, help="Default: the data's, else 50257.")] = None
     data_dtype: Annotated[Optional[Literal["uint16", "uint32", "int32"]], Option(help="Token dtype "
@@ -116,13 +108,12 @@ class TrainConfig:
     out_dir: Annotated[str, Option(help="Checkpoints, config.json, metrics.jsonl.")] = "out"
     resume: Annotated[str, Option(help="auto: the newest checkpoint that verifies; never: start "
                       "fresh; STEP: that step (newer steps are moved aside).")] = "auto"
-    new_data: Annotated[bool, Option(help="Resume on other --data than the checkpoint's (from its "
-                        "beginning).")] = False
+    new_data: Annotated[bool, Option(help="Resume on other --data (from its start).")] = False
     overwrite: Annotated[bool, Option(help="With --resume never: move an old run aside into "
                          "OUT_DIR/previous-TIME/ instead of refusing.")] = False
-    save_every: Annotated[Int, Option(min=1, help=preset("save_every", "And at the end."))] = None
+    save_every: Annotated[Int, preset("save_every", "And at the end.")] = None
     keep_last: Annotated[int, Option(min=0, help="Keep the newest K checkpoints; 0: all.")] = 3
-    eval_every: Annotated[Int, Option(min=1, help=preset("eval_every", "And at the end."))] = None
+    eval_every: Annotated[Int, preset("eval_every", "And at the end.")] = None
     eval_batches: Annotated[int, Option(min=1, help="Micro-batches of val windows per eval.")] = 20
     log_every: Annotated[int, Option(min=1, help="A log line and metrics record every N.")] = 10
     nan_guard: Annotated[int, Option(min=0, help="After N non-finite steps in a row, roll back to "
@@ -136,24 +127,20 @@ class TrainError(Exception):
 
 
 def resolve(cfg, init=None):
-    """The (preset) flags from the recipe (with --init-from, init: its ModelConfig fields, that of
-    its shape), auto settled, and what cannot work refused before anything runs."""
+    """The (preset) flags filled (init: --init-from's ModelConfig fields), auto settled, the
+    impossible refused before anything runs."""
     model = cfg.model or "small"
     if init is not None:
         keys = ("n_layer", "d_model", "expand", "headdim", "d_state", "ngroups", "mlp_hidden")
         same = [p for p, c in PRESETS.items() if all(getattr(c, k) == init[k] for k in keys)]
         if (cfg.model and cfg.model not in same or cfg.vocab_size not in (None, init["vocab_size"])
                 or cfg.mimo_rank not in (None, init["mimo_rank"])):
-            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}); "
-                             f"--model, --vocab-size and --mimo-rank may not change it: leave them "
-                             f"out")
+            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape ({init}): "
+                             "--model, --vocab-size and --mimo-rank may not change it")
         model = cfg.model or (same + ["small"])[0]
-    recipe = {k: v if getattr(cfg, k) is None else getattr(cfg, k)
-              for k, v in RECIPES[model].items()}
+    recipe = {k: v if (f := getattr(cfg, k)) is None else f for k, v in RECIPES[model].items()}
     if recipe["max_steps"] is None:  # Chinchilla-style horizon: 20 tokens per parameter
-        with torch.device("meta"):
-            params = Mamba3LM(PRESETS[model]).num_params()
-        recipe["max_steps"] = max(1, 20 * params // recipe["total_batch_size"])
+        recipe["max_steps"] = max(1, 20 * num_params(PRESETS[model]) // recipe["total_batch_size"])
     if bad := [f"--{k.replace('_', '-')} {v}" for k, v in {**vars(cfg), **recipe}.items()
                if isinstance(v, float) and not math.isfinite(v)]:  # (Typer takes inf and nan)
         raise TrainError(f"{', '.join(bad)}: expected a finite number")
@@ -163,7 +150,7 @@ def resolve(cfg, init=None):
         raise TrainError("--out-dir is empty; name the run's directory (the default is out)")
     if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
         raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: to continue that run "
-                         f"leave out --init-from; to start from its weights use another --out-dir")
+                         "leave out --init-from; to start from its weights use another --out-dir")
     if (tokens := recipe["total_batch_size"]) % (seq_len := recipe["seq_len"]):
         raise TrainError(f"--total-batch-size {tokens} tokens is not a multiple of --seq-len "
                          f"{seq_len}; use a multiple, e.g. {max(1, tokens // seq_len) * seq_len}")
@@ -180,27 +167,9 @@ def resolve(cfg, init=None):
 
 # -----------------------------------------------------------------------------
 # what the loop uses: the model and its memory, the schedule, a step, eval, the NaN guard, the log
-
-
-def build_model(cfg, init, source):
-    """The preset's model, or --init-from's (init: read_pretrained's (config, state, tokenizer))."""
-    if cfg.reset_at_eos and source.eos_id is None:
-        raise TrainError(f"--reset-at-eos needs data that records its EOS id (a prepare.py "
-                         f"directory); {source.path} does not")
-    if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
-        raise TrainError(f"--init-from {cfg.init_from} was trained with the {init[2]['name']} "
-                         f"tokenizer, the data with {source.tokenizer['name']}: token ids would "
-                         f"mean other things")
-    config = ModelConfig(**init[0]) if init else dataclasses.replace(
-        PRESETS[cfg.model], vocab_size=cfg.vocab_size, mimo_rank=cfg.mimo_rank or 1)
-    if cfg.reset_at_eos:
-        config = dataclasses.replace(config, reset_token=source.eos_id)
-    check_memory(cfg, config)  # before the weights take any
-    model = Mamba3LM(config)
-    if init:
-        model.load_state_dict(init[1])  # weights only: the optimizer, schedule, data start afresh
-    model.grad_checkpointing = cfg.grad_checkpointing
-    return model
+def num_params(config):  # counted on the meta device: nothing allocated
+    with torch.device("meta"):
+        return Mamba3LM(config).num_params()
 
 
 def free_memory(device):
@@ -209,39 +178,33 @@ def free_memory(device):
         return torch.cuda.mem_get_info()[0]
     with contextlib.suppress(OSError, ValueError, KeyError):  # (not Linux: no check)
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        free, group = int(info["MemAvailable"].split()[0]) * 1024, Path("/sys/fs/cgroup")
+        free = int(info["MemAvailable"].split()[0]) * 1024
         with contextlib.suppress(OSError, ValueError):  # no cgroup v2 limit ("max", or none)
-            free = min(free, int((group / "memory.max").read_text())
-                       - int((group / "memory.current").read_text()))
+            cg = [int(Path(f"/sys/fs/cgroup/memory.{k}").read_text()) for k in ("max", "current")]
+            free = min(free, cg[0] - cg[1])
         return free
 
 
 def check_memory(cfg, config):
     """Refuse a step that cannot fit in the memory free, naming the numbers and the ways out. On a
-    GPU, where the activations were not measured, only the parameters' share is sure: the rest is a
-    warning (and CUDA's out-of-memory error stops a run cleanly, unlike Linux's OOM killer)."""
-    with torch.device("meta"):
-        params = Mamba3LM(config).num_params()
+    GPU only the parameters' share is sure, the rest a warning (CUDA's OOM stops a run cleanly)."""
+    params, free, b, L = num_params(config), free_memory(cfg.device), cfg.batch_size, cfg.seq_len
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cfg.device == "cpu" else 1  # share RAM
-    world, sequences = int(os.environ.get("WORLD_SIZE", 1)), cfg.total_batch_size // cfg.seq_len
+    world, sequences = int(os.environ.get("WORLD_SIZE", 1)), cfg.total_batch_size // L
     fixed = ranks * PARAM_BYTES * params // (world if cfg.fsdp else 1)  # FSDP: 1/world per rank
-    free, b = free_memory(cfg.device), cfg.batch_size
-
-    def act(n, recompute):  # bytes: the activations of n sequences on each rank of this machine
-        return ranks * activation_bytes(config, n * cfg.seq_len, recompute)
-
-    if free is None or (need := fixed + act(b, cfg.grad_checkpointing)) <= free:
+    act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing)
+    if free is None or fixed + act <= free:
         return
     n, r = (max([n for n in range(1, b + 1) if sequences % (n * world) == 0  # (n must divide)
-                 and fixed + act(n, recompute) <= free], default=0)
+                 and fixed + ranks * activation_bytes(config, n * L, recompute) <= free], default=0)
             for recompute in (cfg.grad_checkpointing, True))
     ways = [f"--batch-size {n} (the accumulation keeps --total-batch-size)"] * (0 < n < b)
     ways += [f"--grad-checkpointing" + f" with --batch-size {r}" * (r < b)] * (
         r > 0 and not cfg.grad_checkpointing)
-    what = (f"a step needs about {need / 1e9:.1f} GB and the {cfg.device} has {free / 1e9:.1f} GB "
-            f"free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters with their gradients "
-            f"and AdamW state, {(need - fixed) / 1e9:.1f} GB for the activations of {b} sequences "
-            f"of {cfg.seq_len} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1)
+    what = (f"a step needs about {(fixed + act) / 1e9:.1f} GB and the {cfg.device} has "
+            f"{free / 1e9:.1f} GB free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M parameters "
+            f"with their gradients and AdamW state, {act / 1e9:.1f} GB for the activations of {b} "
+            f"sequences of {L} tokens" + f" (times {ranks} ranks on this machine)" * (ranks > 1)
             + ". Use " + " or ".join(ways + ["a smaller --model"]))
     if cfg.device == "cpu" or fixed > free:
         raise TrainError(f"{what} (an estimate from measurements of float32 steps on a CPU)")
@@ -261,15 +224,13 @@ def lr_at(step, cfg):
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
 
 
-def micro_step(model, x, y, autocast):
-    """Forward one micro-batch; returns the mean loss. (Its own function: tests inject faults.)"""
+def micro_step(model, x, y, autocast):  # one micro-batch's mean loss (tests inject faults here)
     with autocast:
         return model(x, y)[1]
 
 
 def train_step(model, batches, autocast, world, signals):
-    """Accumulate one optimizer step's gradient over its micro-batches. Returns (the mean loss,
-    whether any rank was signalled to stop), the same on every rank."""
+    """One optimizer step's gradient -> (mean loss, whether any rank was signalled to stop)."""
     stats = torch.zeros(2, device=next(model.parameters()).device)  # summed loss; signals seen
     for m in range(batches.accum_steps):
         x, y = next(batches)
@@ -315,11 +276,10 @@ def max_abs_weight(model):
 
 @dataclasses.dataclass
 class NanGuard:
-    """The rules for bad steps. A step whose loss or gradient norm is not finite skips its update;
-    `limit` of them in a row (--nan-guard; 0: never) restore the newest checkpoint that verifies,
-    while the data moves on, so the batches that poisoned the run are not replayed. Nothing is saved
-    in such a streak, nor weights that blew up while finite (max |w| beyond `explode`): those roll
-    back at once. Restored to the same step MAX_ROLLBACKS times with no save between, it stops."""
+    """A step with a non-finite loss or gradient norm skips its update; `limit` in a row (0: never)
+    restore the newest checkpoint while the data moves on (the poison is not replayed). Nothing is
+    saved in a streak, nor weights beyond `explode` (max |w|): those roll back at once. Restored to
+    one step MAX_ROLLBACKS times with no save between, the run stops."""
     limit: int
     explode: float
     out: Path  # where the checkpoints are
@@ -332,9 +292,9 @@ class NanGuard:
             self.streak = 0
             return True
         self.streak, self.skipped = self.streak + 1, self.skipped + 1
-        log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped "
-            f"({self.streak} in a row, {self.skipped} in all)[/yellow]", kind="event",
-            event="nonfinite", step=step)
+        log(f"[yellow]step {step}: non-finite loss or gradient norm, update skipped ({self.streak}"
+            f" in a row, {self.skipped} in all)[/yellow]", kind="event", event="nonfinite",
+            step=step)
         return False
 
     def due(self):  # whether to roll back instead of stepping
@@ -347,46 +307,29 @@ class NanGuard:
             self.streak = max(1, self.limit)  # a rollback now (--nan-guard 0: the run ends unsaved)
             return f"the weights have exploded (max |w| {top:.3g})"
         self.restored = []  # a clean save point: rollbacks count afresh
-        return None
 
     def roll_back(self, model, optimizer, step, log):
-        restored, _ = ckpt.load_latest(self.out, model, optimizer)
-        if restored is None:
+        if (restored := ckpt.load_latest(self.out, model, optimizer)[0]) is None:
             raise TrainError(f"{self.streak} bad steps in a row at step {step} and no checkpoint "
-                             f"in {self.out} to roll back to; lower --lr, check the data or raise "
-                             f"--nan-guard")
+                             f"in {self.out}; lower --lr, check the data or raise --nan-guard")
         log(f"[yellow]step {step}: {self.streak} bad steps in a row, restored the weights of step "
             f"{restored}; the data continues from step {step}[/yellow]", kind="event",
             event="rollback", step=step, restored=restored)
         self.streak, self.restored = 0, self.restored + [restored]
         if self.restored[-MAX_ROLLBACKS:] == [restored] * MAX_ROLLBACKS:
-            raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row and "
-                             f"the run went bad again each time (last at step {step}); lower --lr "
-                             f"or check the data around these steps")
+            raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row, bad "
+                             f"again each time (last at step {step}); lower --lr or check the data")
 
 
-def train_metrics(cfg, model, good, steps, seconds, peak):
-    """A log line's values over its `steps`: the mean loss and gradient norm of the good ones (NaN
-    after skipped steps only), the throughput and, given the FLOP/s `peak` of all GPUs, the MFU."""
-    loss, norm = np.mean(good, axis=0) if good else (math.nan, math.nan)
-    tok_per_s = steps * cfg.total_batch_size / seconds
-    flops = model.flops_per_token(cfg.seq_len) * tok_per_s
-    return dict(loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm, tok_per_s=tok_per_s,
-                ms_per_step=1000 * seconds / steps, mfu=flops / peak if peak else None)
-
-
-# How a train or eval record's values read on the console, in this order (a value not listed is in
-# the record only): a new metric is one more value where `run` logs, and a line here to show it.
+# How a record's values read on the console, in this order (the rest is in the record only)
 SHOW = dict(loss="loss {:.4f}", ppl="ppl {:.2f}", lr="lr {:.2e}", grad_norm="grad norm {:.3f}",
             tok_per_s="{:,.0f} tok/s", ms_per_step="{:.0f} ms/step", mfu="MFU {:.1%}",
             val_loss="val loss {:.4f}", val_ppl="ppl {:.2f}")
 
 
 class Log:
-    """The one sink: log(line, **record) prints the line, appends the record to metrics.jsonl
-    (made at the first record: a run refused at start-up leaves nothing) and sends it to wandb when
-    WANDB_PROJECT is set (wandb reads its own WANDB_* variables; the checkpoints keep the run id).
-    Rank 0 alone speaks, and a dry run writes nothing."""
+    """log(line, **record): rank 0 prints the line, appends the record to metrics.jsonl (made at
+    the first: a refused run leaves none; a dry run writes none) and sends it to wandb if set up."""
 
     def __init__(self, cfg, rank):
         self.wandb, self.tokens_per_step, tty = None, cfg.total_batch_size, sys.stdout.isatty()
@@ -402,23 +345,19 @@ class Log:
             write(self.path, json.dumps(record) + "\n", append=True)
         if record and self.wandb is not None:
             with contextlib.suppress(Exception):  # a logging service must never stop training
-                self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                               record["step"])
+                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+                self.wandb.log(numbers, record["step"])
 
-    def metrics(self, kind, step, **values):
-        """A train or eval record, with the tokens seen (plot.py's x axis), and its line. NaN (a
-        window of skipped steps) prints as nan and is recorded as null: NaN is not JSON."""
+    def metrics(self, kind, step, **values):  # a record with the tokens seen (plot.py's x axis)
         shown = [f.format(values[k]) for k, f in SHOW.items() if values.get(k) is not None]
-        values = {k: None if v != v else v for k, v in values.items()}
+        values = {k: None if v != v else v for k, v in values.items()}  # NaN is not JSON: null
         self(f"step {step}: {', '.join(shown)}", kind=kind, step=step,
              tokens=step * self.tokens_per_step, **values)
 
-    def start_wandb(self, cfg, run_id):
-        """Start wandb (when this rank writes and WANDB_PROJECT is set); returns the run id."""
+    def start_wandb(self, cfg, run_id):  # (wandb reads its own WANDB_* variables) -> the run id
         if self.path and os.environ.get("WANDB_PROJECT"):
             try:
                 import wandb
-
                 self.wandb = wandb.init(id=run_id, resume="allow", config=dataclasses.asdict(cfg))
                 return self.wandb.id
             except Exception as e:  # noqa: BLE001
@@ -428,28 +367,27 @@ class Log:
 
 def header(log, cfg, model, batches, val):
     """The resolved run in one panel: what a reader of the log needs to know it is the run meant."""
-    c, world = model.config, batches.cfg.world_size
+    c, world, planned = model.config, batches.cfg.world_size, cfg.total_batch_size * cfg.max_steps
     tokens = sum(s.num_tokens for s in batches.sources)
-    planned, blend = cfg.total_batch_size * cfg.max_steps, len(cfg.data) > 1
-    sources = [f"{s.path}" + f" ({float(w):.0%} of the samples)" * blend
-               for s, w in zip(batches.sources, batches.weights)]
+    gpu = f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else ""
+    sources = ", ".join(f"{s.path}" + f" ({float(w):.0%} of the samples)" * (len(cfg.data) > 1)
+                        for s, w in zip(batches.sources, batches.weights))
     lines = [
         f"model      {cfg.model}: {model.num_params():,} parameters ({c.n_layer} layers, d_model "
         f"{c.d_model}, vocab {c.vocab_size}" + f", mimo rank {c.mimo_rank}" * (c.mimo_rank > 1)
         + f", reset after token {c.reset_token}" * (c.reset_token is not None) + ")",
-        f"device     {cfg.device}"
-        + (f" ({torch.cuda.get_device_name()})" if cfg.device == "cuda" else "")
-        + f", dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}, world size {world}"
+        f"device     {cfg.device}{gpu}, dtype {cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
+        f", world size {world}"
         + (", FSDP" + " (without torchrun: nothing to shard)" * (world == 1)) * cfg.fsdp,
         f"batch      {cfg.total_batch_size:,} tokens per step = {cfg.batch_size} seqs x "
         f"{cfg.seq_len} tokens x {batches.accum_steps} accumulation x {world} ranks",
         "data       SYNTHETIC random tokens (--data synthetic): the loss stays at ln(vocab)"
-        if cfg.data == ["synthetic"] else f"data       {', '.join(sources)}: {tokens:,} tokens; "
+        if cfg.data == ["synthetic"] else f"data       {sources}: {tokens:,} tokens; "
         f"{planned:,} planned = {planned / tokens:.2f} epochs",
         f"eval       every {cfg.eval_every} steps on {val.path} (val)" if val else
         "eval       [bold yellow]off: no val split of seq_len + 1 tokens[/bold yellow]",
-        f"out        {cfg.out_dir}" + " (dry run: nothing written)" * cfg.dry_run
-        + f", resume {cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
+        f"out        {cfg.out_dir}" + " (dry run: nothing written)" * cfg.dry_run + f", resume "
+        f"{cfg.resume}, save every {cfg.save_every} (keep {cfg.keep_last or 'all'})",
         f"optimizer  AdamW for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} "
         f"({cfg.schedule}, {cfg.warmup_steps} warmup), weight decay {cfg.weight_decay:g}, grad "
         f"clip {cfg.grad_clip:g}, nan guard {cfg.nan_guard}, seed {cfg.seed}",
@@ -459,55 +397,45 @@ def header(log, cfg, model, batches, val):
 
 # -----------------------------------------------------------------------------
 # the run directory: files that survive a full disk, branches moved aside, resume
-
-
 def write(path, text, append=False):
     """Write `path` whole (atomically) or append to it; a full disk is a TrainError naming it."""
     try:
-        if append:
-            with open(path, "a") as f:
-                f.write(text)
-        else:
-            data.write_atomic(path, text.encode())
+        if not append:
+            return data.write_atomic(path, text.encode())
+        with open(path, "a") as f:
+            f.write(text)
     except OSError as e:  # (the OSError of a failed write() names no file)
         raise TrainError(f"could not write {path} ({e.strerror or e}); free disk space or fix "
-                         f"the permissions, then run again: it resumes from the newest "
-                         f"checkpoint") from None
+                         "the permissions: a new run resumes from the newest checkpoint") from None
 
 
 def move_aside(out, step, files, prefix):
-    """Move the checkpoint `files` of steps after `step`, with their metrics records, into a new
-    OUT/PREFIX-TIME/ and return it (None if there are none): a branch left behind is never deleted.
-    Records past `step` with no checkpoint (steps that will run again) are dropped, so that each
-    (kind, step) is recorded once. A journal in a hidden directory lists the files before any
-    moves (each step's meta last); the directory takes its name once they are all in it."""
+    """Move the checkpoint `files` of steps after `step` and their records into a new
+    OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted. A journal in a hidden
+    directory lists the files (each step's meta last) before finish_moves moves them."""
     names = [p.name for s in sorted(files) if s > step
              for p in sorted(files[s], key=lambda p: p.suffix == ".json")]
     names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
     if names:  # (--overwrite moves the old run's config too)
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-        name = next(n for i in range(99)
-                    if not (out / (n := f"{base}-{i}" if i else base)).exists())
+        name = next(n for i in range(99) if not (out / (n := base + f"-{i}" * (i > 0))).exists())
         (out / f".{name}.moving").mkdir()
         write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
     return finish_moves(out, step)
 
 
 def finish_moves(out, step=None):
-    """Do the moves journalled in OUT/.NAME.moving/ and drop the records after `step`; returns the
-    last directory made. A run killed as it moved steps aside leaves one, which the next run
-    finishes before it reads a step: so no step is split in two, nor taken for leftovers."""
-    def step_of(line):  # None for a record cut short (the disk filled up as it was appended)
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            return json.loads(line)["step"]
-
-    metrics, aside = out / "metrics.jsonl", None
+    """Do the moves journalled in OUT/.NAME.moving/ (then named NAME, returned) and drop records
+    after `step`. The next run finishes one a killed run left before it reads a step: so no step
+    is split in two, nor taken for leftovers."""
+    metrics, aside, records = out / "metrics.jsonl", None, []
     text = metrics.read_text() if metrics.exists() else ""
-    records = [(line + "\n", s) for line in text.splitlines() if (s := step_of(line)) is not None]
-    for stage in sorted(p for x in ("abandoned", "previous") for p in out.glob(f".{x}-*.moving")):
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # (a line a full disk cut short)
+            records.append((line + "\n", json.loads(line)["step"]))
+    for stage in sorted(out.glob(".*.moving")):
         if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
-            (stage / ".journal.json.tmp").unlink(missing_ok=True)
-            stage.rmdir()
+            shutil.rmtree(stage)
             continue
         job = json.loads((stage / "journal.json").read_text())
         for name in [n for n in job["files"] if (out / n).exists()]:
@@ -524,73 +452,60 @@ def finish_moves(out, step=None):
 
 
 def data_identity(batches):
-    """Per source its path, weight and a digest of its files (a prepared directory's shard hashes,
-    else names and sizes): in each checkpoint, so that a resume can tell other data."""
-    def digest(s):
+    """Per source its path, weight and a digest of its files (shard hashes, else names, sizes)."""
+    ids = []
+    for s, w in zip(batches.sources, batches.weights):
         m = data.read_manifest(s.path) if (s.path / data.MANIFEST).is_file() else {"splits": {}}
         shards = {x["file"]: x["sha256"] for x in m["splits"].get("train", {}).get("shards", [])}
-        files = [(f.name, shards.get(f.name) or f.stat().st_size) for f in s.files]
-        return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
-
-    return [dict(path=str(s.path), weight=str(w), files=digest(s))
-            for s, w in zip(batches.sources, batches.weights)]
+        files = json.dumps([(f.name, shards.get(f.name) or f.stat().st_size) for f in s.files])
+        digest = hashlib.sha256(files.encode()).hexdigest()[:16]
+        ids.append(dict(path=str(s.path), weight=str(w), files=digest))
+    return ids
 
 
 def resume(cfg, model, optimizer, batches, log):
-    """Load what --resume asks for (the data position into `batches`) and return its meta, or None
-    for a fresh start; then the directory is this run's. Once all that cannot continue is refused,
-    steps newer than the one resumed (an abandoned branch, or ones that fail verification; with
-    --overwrite, the old run) and their records are moved aside."""
-    out, writes = Path(cfg.out_dir), log.path is not None
+    """Load what --resume asks for (weights, optimizer, data position, RNGs: it goes on bit for
+    bit) -> its meta, or None. Once all that cannot continue is refused, newer steps (a branch
+    left, steps that fail to verify; with --overwrite, the old run) and their records move aside."""
+    out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None
     if writes:
         finish_moves(out)  # what a run killed while moving steps aside left: done first
-    files, step, meta = ckpt.step_files(out), None, None
-    if cfg.resume == "never" and files and not cfg.overwrite:
-        raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}) and --resume "
-                         f"never was given; use --resume auto to continue that run, another "
-                         f"--out-dir, or --overwrite to move the old run aside into "
-                         f"{out}/previous-TIME/")
+    if (files := ckpt.step_files(out)) and cfg.resume == "never" and not cfg.overwrite:
+        raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}): use --resume "
+                         "auto, another --out-dir, or --overwrite to move them to previous-TIME/")
     try:
         if cfg.resume == "auto":
             step, meta = ckpt.load_latest(out, model, optimizer, restore_rng=True)
         elif cfg.resume != "never":
-            step = int(cfg.resume)
-            meta = ckpt.load(out, step, model, optimizer, restore_rng=True)
+            meta = ckpt.load(out, (step := int(cfg.resume)), model, optimizer, restore_rng=True)
     except ckpt.ModelMismatch as e:
-        raise TrainError(f"{e.what}: resume with the --model, --vocab-size and --reset-at-eos it "
-                         f"was trained with ({out}/config.json), or start a new run with --resume "
-                         f"never or another --out-dir") from None
+        raise TrainError(f"{e.what}: resume with its --model, --vocab-size and --reset-at-eos "
+                         f"({out}/config.json), or start anew: --resume never or another --out-dir")
     if step is None and files and cfg.resume == "auto":
         names = ", ".join(p.name for ps in files.values() for p in ps)[:400]
         raise TrainError(f"{out} holds checkpoint files but no step verifies ({names}); nothing "
-                         f"was changed. Use --resume STEP to pick a step, or --resume never "
-                         f"--overwrite to move them aside into {out}/previous-TIME/")
+                         "changed: use --resume STEP, or --resume never --overwrite to move them")
     if step is not None:
-        ids = [[(d["weight"], d["files"]) for d in ds]
+        ids = [[(d["weight"], d["files"]) for d in ds]  # (old checkpoints have none: not compared)
                for ds in (meta.get("data_identity") or [], data_identity(batches))]
-        same = ids[0] in ([], ids[1])  # (older checkpoints record no identity: not compared)
-        if not (same or cfg.new_data):
-            raise TrainError(f"{out} step {step} was trained on --data "
-                             f"{' '.join(meta['config']['data'])}; this run's --data "
-                             f"{' '.join(cfg.data)} is other data (files or weights): add "
-                             f"--new-data to continue the run on it, or start a new run with "
-                             f"--resume never or another --out-dir")
+        if not ((same := ids[0] in ([], ids[1])) or cfg.new_data):
+            was, now = (" ".join(d) for d in (meta["config"]["data"], cfg.data))
+            raise TrainError(f"{out} step {step} was trained on --data {was}, not {now}: add "
+                             "--new-data to continue on it, or --resume never or another --out-dir")
         if meta["data"] is not None and same:  # (new data starts at its beginning)
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
-            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}; "
-                             f"raise it")
+            raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}")
     # (also without a step: the records of a run killed before its first save are dropped)
     prefix = "previous" if cfg.resume == "never" else "abandoned"
     if writes and (aside := move_aside(out, -1 if step is None else step, files, prefix)):
-        log(f"moved the previous run aside into {aside}" if step is None else
-            f"[yellow]moved the newer steps {[s for s in files if s > step]} and their records "
-            f"aside into {aside}[/yellow]")
+        log(f"moved the previous run aside into {aside}" if step is None else f"[yellow]moved the"
+            f" newer steps {[s for s in files if s > step]} and their records aside into {aside}"
+            "[/yellow]")
     if step is not None:
         log(f"resumed from {out} step {step}", kind="event", event="resume", step=step)
     if step == cfg.max_steps and not cfg.dry_run:  # (said before the header, which then follows)
-        log(f"{out} is at step {step} of --max-steps {step} already: nothing to do (raise "
-            f"--max-steps to train on)")
+        log(f"{out} is at step {step} of --max-steps {step} already: nothing to do")
     if writes:  # the directory is this run's now: its config, and its tokenizer for sample.py
         write(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         if (spec := batches.sources[0].tokenizer) and spec.get("name") == "file":
@@ -598,12 +513,10 @@ def resume(cfg, model, optimizer, batches, log):
     return meta
 
 
-def save_checkpoint(cfg, step, model, optimizer, log, state):
-    """Write step `step` (with retention) and say so. (Its own function: tests inject faults.)"""
-    t0 = time.time()
+def save_checkpoint(cfg, step, model, optimizer, log, state):  # (tests inject faults here)
+    t0, tag = time.time(), "final" if step == cfg.max_steps else "periodic"
     meta = dict(state, tokens_seen=step * cfg.total_batch_size, config=dataclasses.asdict(cfg),
-                optimizer_steps=step - state["skipped_steps"],
-                tag="final" if step == cfg.max_steps else "periodic")
+                optimizer_steps=step - state["skipped_steps"], tag=tag)
     ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=cfg.keep_last or None)
     log(f"step {step}: saved checkpoint to {cfg.out_dir} ({time.time() - t0:.1f}s)",
         kind="event", event="checkpoint", step=step)
@@ -611,11 +524,8 @@ def save_checkpoint(cfg, step, model, optimizer, log, state):
 
 # -----------------------------------------------------------------------------
 # the run, and its command line
-
-
 def setup(cfg, init, tmp, cleanup):
-    """What the loop runs on, in an order that refuses bad input before the run directory is
-    touched: (rank, world size, local rank, batches, val source or None, model, optimizer)."""
+    """(rank, world, local rank, batches, val or None, model, optimizer); bad input refused."""
     rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if "RANK" in os.environ or cfg.fsdp:  # set by torchrun; plain python is a world of one
         if cfg.device == "cuda":
@@ -630,15 +540,39 @@ def setup(cfg, init, tmp, cleanup):
     world, sequences = max(world, 1), cfg.total_batch_size // cfg.seq_len  # per optimizer step
     layout = data.BatchConfig(cfg.seq_len, cfg.batch_size, sequences, cfg.seed, rank, world,
                               cfg.device, prefetch=cfg.device == "cuda")
-    batches = data.Batches(sources, layout, weights)
+    batches, source = data.Batches(sources, layout, weights), sources[0]
     cleanup.callback(batches.close)
     if val is not None and val.num_tokens < cfg.seq_len + 1:  # a short first document, say: the
         val = None  # header says that evaluation is off; the training is still worth running
-    model = build_model(dataclasses.replace(cfg, vocab_size=vocab), init, batches.sources[0])
-    model.to(f"cuda:{local}" if cfg.device == "cuda" else "cpu")
+    # the model: the preset's, or --init-from's (init: its ModelConfig fields, state, tokenizer)
+    if cfg.reset_at_eos and source.eos_id is None:
+        raise TrainError(f"--reset-at-eos needs data that records its EOS id (a prepare.py "
+                         f"directory); {source.path} does not")
+    if init and init[2] and source.tokenizer and init[2]["name"] != source.tokenizer["name"]:
+        raise TrainError(f"--init-from {cfg.init_from} has the {init[2]['name']} tokenizer, "
+                         f"the data {source.tokenizer['name']}: token ids would mean other things")
+    config = ModelConfig(**init[0]) if init else dataclasses.replace(
+        PRESETS[cfg.model], vocab_size=vocab, mimo_rank=cfg.mimo_rank or 1)
+    if cfg.reset_at_eos:
+        config = dataclasses.replace(config, reset_token=source.eos_id)
+    check_memory(cfg, config)  # before the weights take any
+    model = Mamba3LM(config).to(f"cuda:{local}" if cfg.device == "cuda" else "cpu")
+    if init:
+        model.load_state_dict(init[1])  # weights only: the optimizer, schedule, data start afresh
+    model.grad_checkpointing = cfg.grad_checkpointing
     official.check_impl(model)
-    if cfg.fsdp:  # before the optimizer, which must hold the sharded parameters
-        shard(model, cfg)
+    if cfg.fsdp:  # before the optimizer, which must hold the shards
+        # FSDP2: each block (compiled first: torchtitan's order), then the root; a rank holds
+        # 1/world of the weights, gradients and AdamW moments, gathering a block's weights only
+        # while it computes (in bf16 on CUDA; master weights and gradient reduction stay float32)
+        mp = (torch.bfloat16, torch.float32) if cfg.device == "cuda" and cfg.dtype == "bf16" else ()
+        # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
+        for block in model.blocks:
+            if cfg.compile:
+                block.compile()
+            fully_shard(block, mp_policy=MixedPrecisionPolicy(*mp))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(*mp))
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
                                   betas=(0.9, 0.95), eps=1e-8, fused=cfg.device == "cuda")
     out = Path(cfg.out_dir)
@@ -652,35 +586,8 @@ def setup(cfg, init, tmp, cleanup):
     return rank, world, local, batches, val, model, optimizer
 
 
-def shard(model, cfg):
-    """FSDP2: each block, then the root (embedding, tied head, final norm), sharded over the ranks:
-    each holds 1/world of the weights, gradients and AdamW moments, and gathers a block's weights
-    only while it computes. A block is compiled before it is sharded (torchtitan's order). On CUDA
-    in bf16 the gathered weights are bf16; master weights and gradient reduction stay float32."""
-    bf16 = cfg.device == "cuda" and cfg.dtype == "bf16"
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-    # FSDP2 warns of the logits' view (the padded vocabulary sliced off): nothing edits it in place
-    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
-    for block in model.blocks:
-        if cfg.compile:
-            block.compile()
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
-
-
-def catch_signals(cleanup):
-    """SIGTERM and SIGINT (Ctrl-C) append their names to the returned list instead of killing the
-    run: it finishes the step, saves and exits (every rank at the same step). Undone at the end."""
-    stop = []
-    for s in (signal.SIGTERM, signal.SIGINT):
-        old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
-        cleanup.callback(signal.signal, s, old)
-    return stop
-
-
 def run(cfg, init, tmp, cleanup):
-    """Train: set up, then loop. init is --init-from's (ModelConfig fields, state dict, tokenizer
-    spec) or None; cleanup (an ExitStack) releases what the setup takes, however the run ends."""
+    """Set up, then train; cleanup (an ExitStack) releases what the setup takes, however it ends."""
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
     log = Log(cfg, rank)
     meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
@@ -698,7 +605,10 @@ def run(cfg, init, tmp, cleanup):
     peak = world * (peak_flops(torch.cuda.get_device_name()) or 0) if cfg.device == "cuda" else 0
     explode = EXPLODED * max(1.0, max_abs_weight(raw_model))
     guard = NanGuard(cfg.nan_guard, explode, Path(cfg.out_dir), skipped=meta["skipped_steps"])
-    stop, stopping = catch_signals(cleanup), False
+    stop, stopping = [], False  # SIGTERM and Ctrl-C: finish the step, save, exit (all ranks alike)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
+        cleanup.callback(signal.signal, s, old)
     good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
     while step < cfg.max_steps and not stopping:
@@ -718,8 +628,13 @@ def run(cfg, init, tmp, cleanup):
         last_step = step == cfg.max_steps  # the final log, eval and save happen in the loop
         log.progress.update(bar, completed=step)
         if step > logged and (step % cfg.log_every == 0 or last_step):
-            log.metrics("train", step, lr=lr_at(step - 1, cfg), **train_metrics(
-                cfg, raw_model, good, step - logged, time.time() - t_log, peak))
+            # the good steps' mean loss and gradient norm (NaN after skipped steps only), the speed
+            loss, norm = (sum(v) / len(good) for v in zip(*good)) if good else (math.nan, math.nan)
+            tok_per_s = (step - logged) * cfg.total_batch_size / (dt := time.time() - t_log)
+            mfu = raw_model.flops_per_token(cfg.seq_len) * tok_per_s / peak if peak else None
+            log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm,
+                        lr=lr_at(step - 1, cfg), tok_per_s=tok_per_s, mfu=mfu,
+                        ms_per_step=1000 * dt / (step - logged))
             good, logged, t_log = [], step, time.time()
         t_pause = time.time()  # eval and save are kept out of the tok/s figures
         if val is not None and (last_step or step % cfg.eval_every == 0):
@@ -736,17 +651,16 @@ def run(cfg, init, tmp, cleanup):
                     wall_time=time.time() - t_start))
         t_log += time.time() - t_pause
     if guard.streak:
-        raise TrainError(f"the run ended at step {step} in a streak of bad steps, which was not "
-                         f"saved; resume from the newest checkpoint in {cfg.out_dir} with a lower "
-                         f"--lr")
+        raise TrainError(f"the run ended at step {step} in a streak of bad steps, not saved; "
+                         f"resume from the newest checkpoint in {cfg.out_dir} with a lower --lr")
     if stopping:
         log(f"stopped by {stop[0] if stop else 'a signal on another rank'} at step {step}; resume "
             f"with --resume auto")
 
 
 def lost_peer(e, cfg):
-    """The TrainError for a rank lost under torchrun, or `e` itself. (Its peers see a closed
-    connection, not why; DDP's backward hooks raise it as a plain RuntimeError.)"""
+    """The TrainError for a rank lost under torchrun (its peers see a closed connection, not why;
+    DDP's hooks raise a plain RuntimeError), or `e` itself."""
     if not ((isinstance(e, dist.DistError) or "gloo" in str(e) or "NCCL" in str(e))
             and dist.is_initialized() and dist.get_world_size() > 1):
         return e
@@ -759,12 +673,10 @@ def lost_peer(e, cfg):
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-@app.command(help=__doc__.split("\n\n")[0] + "\n\nResumes from the newest checkpoint in "
-             "--out-dir by default (--resume auto). Flags marked (preset) default to the preset's "
-             "recipe.")
+@app.command(help=__doc__.split("\n\n")[0] + "\n\nResumes from the newest checkpoint in --out-dir "
+             "by default (--resume auto). Flags marked (preset) default to the preset's recipe.")
 def main(**flags):
-    # the errors a user can cause, each one paragraph: OSError is the disk's, named by the OS;
-    # ValueError is data.DataError, and pick_device's and ModelConfig's refusals
+    # one paragraph each: OSError the disk's; ValueError data's, pick_device's and ModelConfig's
     with data.cli_errors(TrainError, ckpt.CheckpointError, OSError, ValueError):
         cfg = TrainConfig(**flags)
         init = official.read_pretrained(cfg.init_from) if cfg.init_from else None
