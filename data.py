@@ -13,15 +13,14 @@ The whole loader state is therefore the count of consumed samples (plus, when bl
 of them came from each source).
 
 The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
-here too, so that every tool writes files and reports errors alike, and sample.py can decode.
-torch is imported only inside the functions that make tensors: prepare.py starts in a blink.
+here too, so that every tool writes files and reports errors alike; torch is imported only inside
+the functions that make tensors, so prepare.py starts in a blink.
 """
 import codecs
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -33,7 +32,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -97,52 +95,47 @@ def write_atomic(path, data: bytes):
 
 
 def replace_dir(out, fill, ours):
-    """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
-
-    fill(stage) fills an empty `.NAME.stage` beside `out`; `out` moves to `.NAME.old`, the stage
-    takes its place, what ours(old) does not claim (a user's files) moves into the new one, and the
-    old one goes. The holder of `.NAME.lock` (a flock: the OS releases it however the holder ends)
-    knows that a stage or old directory was left by a run that died: a stage is removed, an old
-    directory put back (no `out`) or retired. Returns fill's result."""
+    """Put a directory built by fill(stage) in place of `out` so that a kill at any instant loses
+    neither: `out` moves to `.NAME.old`, `.NAME.stage` takes its place, what ours(old) does not
+    claim (a user's files) moves into the new one, the old one goes. The holder of `.NAME.lock` (a
+    flock: the OS releases it however the holder ends) knows that a stage or old directory was left
+    by a run that died: a stage goes, an old directory goes back (no `out`) or is retired."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
+
+    def settle():  # leave `out` and no stage, no old directory
+        shutil.rmtree(stage, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        elif old.exists():  # what it holds that is not the tool's own moves over first
+            mine = ours(old)
+            for p in sorted(old.iterdir()):
+                if p.name not in mine and not (out / p.name).exists():
+                    os.rename(p, out / p.name)
+                    warnings.warn(f"kept {p.name}, which is not the tool's own, in {out}",
+                                  stacklevel=3)
+            shutil.rmtree(old)
+            fsync(out.parent)
+
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DataError(f"{out} is being written by another process; wait for it to "
                             "finish") from None
-        shutil.rmtree(stage, ignore_errors=True)
-        if old.exists():
-            _retire(old, out, ours) if out.exists() else os.rename(old, out)
-        stage.mkdir()
+        settle()  # after a run that died
         try:
+            stage.mkdir()
             result = fill(stage)
             fsync(stage)
             if out.exists():
                 os.rename(out, old)
             os.rename(stage, out)
             fsync(out.parent)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            if old.exists() and not out.exists():
-                os.rename(old, out)
-            raise
-        if old.exists():
-            _retire(old, out, ours)
+        finally:  # after a failure too: `out` is the old directory or the new one, never neither
+            settle()
     return result
-
-
-def _retire(old, out, ours):
-    # the replaced directory goes, but first what it holds that is not the tool's own moves over
-    mine = ours(old)
-    for p in sorted(old.iterdir()):
-        if p.name not in mine and not (out / p.name).exists():
-            os.rename(p, out / p.name)
-            warnings.warn(f"kept {p.name}, which is not the tool's own, in {out}", stacklevel=3)
-    shutil.rmtree(old)
-    fsync(out.parent)
 
 
 @contextlib.contextmanager
@@ -152,7 +145,6 @@ def cli_errors(*expected):
     import typer
     from rich.console import Console
     from rich.markup import escape
-
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
         yield
@@ -189,22 +181,19 @@ class ByteTokenizer:
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base): vocabulary 50,257, EOS 50,256. A text that spells
-    "<|endoftext|>" is ordinary text, not the EOS id."""
+    """tiktoken's GPT-2 BPE (r50k_base), EOS 50,256; a text spelling "<|endoftext|>" is text."""
 
     spec = {"name": "gpt2"}
 
     def __init__(self):
         import tiktoken
-
         try:
             self._enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:  # a download failure surfaces as one of many network error types
             raise DataError(
-                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. "
-                "tiktoken downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a "
-                "directory holding a copy named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use "
-                "--tokenizer byte") from None
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
+                "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
+                "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
         self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
 
     def encode(self, text):
@@ -222,7 +211,6 @@ class FileTokenizer:
 
     def __init__(self, path, spec):
         from tokenizers import Tokenizer
-
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -270,22 +258,25 @@ def load_tokenizer(spec: dict, directory=None):
 
 
 class TokenSource:
-    """One token stream made of memory-mapped files, read without copying where possible.
-
-    files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
-    position starts[k]. vocab_size, eos_id and tokenizer (a spec for load_tokenizer) come from
-    `manifest` where the format has one, else None; max_token_id is recorded, or found by a scan.
-    """
+    """One token stream of memory-mapped files: files (the non-empty ones), tokens[k] (files[k]'s,
+    read-only) starting at stream position starts[k]; vocab_size, eos_id and tokenizer (a spec)
+    from `manifest` where the format has one, else None."""
 
     def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
-        self.vocab_size, self.eos_id, self.tokenizer = map(m.get, ("vocab_size", "eos_id",
-                                                                   "tokenizer"))
-        _raise_open_file_limit(len(files))
+        self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in ("vocab_size", "eos_id",
+                                                                           "tokenizer"))
+        # each memory map holds a file descriptor: thousands of shards need more than the usual
+        # 1024 (RLIM_INFINITY is -1 on Linux, huge elsewhere: never below `need`)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if 0 <= hard < (need := len(files) + 256):
+            raise DataError(f"{len(files)} token files need {need} open files, but the limit is "
+                            f"{hard}; raise `ulimit -n`")
+        if 0 <= soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
         self.files, self.tokens = [], []
         for f in map(Path, files):
-            size = f.stat().st_size
-            if size % self.dtype.itemsize:
+            if (size := f.stat().st_size) % self.dtype.itemsize:
                 raise DataError(f"{f}: expected a whole number of {self.dtype.name} tokens "
                                 f"({self.dtype.itemsize} bytes each), found {size} bytes; wrong "
                                 "--data-dtype, or a truncated file?")
@@ -297,14 +288,13 @@ class TokenSource:
         self.num_tokens = int(self.starts[-1])
         if self.num_tokens == 0:
             raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        # A recorded id range is trusted at first, so that a run starts at once; check_on_read
-        # then has each file checked at its first read. A raw source is scanned instead.
+        # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
+        # has each file checked at its first read. A raw source is scanned instead.
         self.recorded = max_token_id is not None
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
-    def id_range(self) -> tuple:
-        """(smallest, largest) token id."""
+    def id_range(self) -> tuple:  # (smallest, largest) token id
         if self._range is None:
             self._range = (int(min(t.min() for t in self.tokens)),
                            int(max(t.max() for t in self.tokens)))
@@ -324,15 +314,14 @@ class TokenSource:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
         pieces, k = [], int(self.starts.searchsorted(start, "right")) - 1
         while n > 0:  # from one file on into the next
-            lo = start - int(self.starts[k])
-            pieces.append(self.tokens[k][lo : lo + n])
-            start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
+            pieces.append(p := self.tokens[k][start - int(self.starts[k]) :][:n])
+            start, n, k = start + len(p), n - len(p), k + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids`, a (len(ids), seq_len + 1) array (see the module doc) in the
-        source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
-        int64: the conversion happens in the same pass as the copy)."""
+        """The tokens of windows `ids` (see the module doc): a (len(ids), seq_len + 1) array of the
+        source dtype, or written into `out`, C-contiguous of any dtype (Batches passes int64: the
+        conversion happens in the same pass as the copy)."""
         ids, n = np.asarray(ids), seq_len + 1
         if self.unchecked:
             self._check(ids, seq_len)
@@ -346,44 +335,28 @@ class TokenSource:
         begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
         first = self.starts.searchsorted(begin, "right") - 1  # the file each window starts in
         pieces = []  # one concatenate of all the windows' pieces, not a Python setitem each
-        for lo, k in zip((begin - self.starts[first]).tolist(), first.tolist()):
-            pieces.append(piece := self.tokens[k][lo : lo + n])
-            h = len(piece)
-            while h < n:  # at a file's end the window runs on into the next file(s)
-                k += 1
-                pieces.append(piece := self.tokens[k][: n - h])
-                h += len(piece)
+        for b, lo, k in zip(begin.tolist(), (begin - self.starts[first]).tolist(), first.tolist()):
+            piece = self.tokens[k][lo : lo + n]  # a window at a file's end runs on into the next
+            pieces.append(piece if len(piece) == n else self.read(b, n))
         out = np.empty((len(ids), n), self.dtype) if out is None else out
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
     def _check(self, ids, seq_len):
-        # A shard changed after prepare.py wrote it keeps its size (only `prepare.py verify` would
-        # notice): it must not reach the model as an index error deep in a step. So each file
-        # that these windows touch is checked at its first read.
+        # A shard changed after prepare.py wrote it keeps its size: each file these windows touch
+        # is checked at its first read, so that a bad id is never an index error deep in a step.
         begin = ids.astype(np.int64) * seq_len
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
-        for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first - 1, last)))):
+        for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):
             tokens, V = self.tokens[k], self._vocab
             if tokens.max() >= V or tokens.min() < 0:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
                                 f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
                                 "vocabulary, although the manifest says otherwise: was the file "
-                                "changed after prepare.py wrote it? `python prepare.py verify "
+                                f"changed after prepare.py wrote it? `python prepare.py verify "
                                 f"{self.path}` checks every shard")
             self.unchecked.discard(k)
-
-
-def _raise_open_file_limit(n_files: int):
-    # Every memory map holds a file descriptor: thousands of shards need more than the usual 1024.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need, inf = n_files + 256, resource.RLIM_INFINITY
-    if hard != inf and hard < need:
-        raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; "
-                        "raise `ulimit -n`")
-    if soft != inf and soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def check_vocab(source: TokenSource, vocab_size: int):
@@ -412,12 +385,9 @@ def read_manifest(directory) -> dict:
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found; a prepare.py directory is valid only once its "
-                        "manifest is written") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: expected a JSON manifest, found unreadable content "
-                        f"({e})") from None
+        raise DataError(f"{path}: expected a JSON manifest (prepare.py writes it last), found "
+                        f"{'none' if isinstance(e, FileNotFoundError) else e}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         found = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
@@ -431,8 +401,7 @@ def read_manifest(directory) -> dict:
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
         # a split's totals are what readers trust (max_token_id: the vocabulary check)
         for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
-            found = total([0] + [shard[key] for shard in split["shards"]])
-            if split[key] != found:
+            if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
                 raise DataError(f"{path}: split {name!r} says {key} {split[key]}, but its shards "
                                 f"say {found}")
     return m
@@ -453,37 +422,33 @@ def _prepared(p, split, dtype):
     if not (p / MANIFEST).is_file():
         return None
     m = read_manifest(p)
-    s = m["splits"].get(split)
-    if s is None or s["tokens"] == 0:
+    if (s := m["splits"].get(split)) is None or s["tokens"] == 0:
         have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
         raise NoSplit(f"{p}: expected a {split!r} split, found only {have} (prepared with "
                       "--val-fraction 0?)")
     files = [p / shard["file"] for shard in s["shards"]]
     for f, shard in zip(files, s["shards"]):  # the sizes the manifest promises, before mapping
-        want = shard["tokens"] * np.dtype(m["dtype"]).itemsize
         if not f.exists():
             raise DataError(f"{f}: listed in {MANIFEST} but missing")
-        if f.stat().st_size != want:
+        if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(m["dtype"]).itemsize):
             raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
-                            f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
-                            f"verify {p}`")
+                            f"per {MANIFEST}), found {size}; run `python prepare.py verify {p}`")
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
+
+
+def _shard_dir(p, split, dtype):
+    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
+    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
+    return TokenSource(p, shards, dtype or np.uint16) if shards else None
 
 
 def _nanogpt_dir(p, split, dtype):
     if not p.is_dir() or not ((p / "train.bin").exists() or (p / "val.bin").exists()):
         return None
-    f = p / f"{split}.bin"
-    if not f.exists():
+    if not (f := p / f"{split}.bin").exists():
         raise NoSplit(f"{p}: expected {split}.bin in this nanoGPT data directory, found "
                       f"{_listing(p)}")
     return TokenSource(f, [f], dtype or np.uint16)
-
-
-def _shard_dir(p, dtype):
-    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
-    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    return TokenSource(p, shards, dtype or np.uint16) if shards else None
 
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -491,7 +456,7 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = docs + 1
 
 
-def _megatron(p, dtype):
+def _megatron(p, split, dtype):
     # PREFIX.idx: the header, int32 lengths[S], int64 byte pointers[S], int64 document starts[D],
     # 34 + 12 S + 8 D bytes in all; PREFIX.bin: the sequences' tokens back to back
     prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
@@ -504,13 +469,11 @@ def _megatron(p, dtype):
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
     for ok, want, found in [
-            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}; not a Megatron "
-             "index"),
-            (version == 1, "version 1", version),
-            (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)} (integer tokens)",
-             code),
-            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes (34 + 12 x {S} sequences + 8 "
-             f"x {D} document boundaries)", size)]:
+            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}, not a Megatron "
+             "index"), (version == 1, "version 1", version),
+            (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)}", code),
+            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} "
+             "document boundaries", size)]:
         if not ok:
             raise DataError(f"{idx}: expected {want}, found {found}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
@@ -526,11 +489,10 @@ def _megatron(p, dtype):
     if D < 1 or docs[0] != 0 or docs[-1] != S or (np.diff(docs) < 0).any():
         raise DataError(f"{idx}: expected document boundaries rising from 0 to {S} (the sequence "
                         f"count), found {docs[:3].tolist()}...{docs[-3:].tolist()}")
-    want, have = int(lengths.sum()) * token.itemsize, binf.stat().st_size
-    if have != want:
-        what = "truncated" if have < want else "longer than its index says"
+    if (have := binf.stat().st_size) != (want := int(lengths.sum()) * token.itemsize):
         raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per "
-                        f"{idx.name}), found {have}: {what}")
+                        f"{idx.name}), found {have}: "
+                        f"{'truncated' if have < want else 'longer than its index says'}")
     return TokenSource(prefix, [binf], token)
 
 
@@ -538,7 +500,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".c
                  ".html")
 
 
-def _raw_file(p, dtype):
+def _raw_file(p, split, dtype):
     if not p.is_file():
         return None
     # Trained on as token ids, text would be garbage without a word of warning. Token ids are
@@ -558,8 +520,8 @@ def _raw_file(p, dtype):
     return TokenSource(p, [p], dtype or np.uint16)
 
 
-# (what it is, its opener, whether it has splits), in the order open_tokens tries them. An opener
-# of one stream, the train split, takes (path, dtype): open_tokens refuses another split for it.
+# (what it is, its opener, whether it has splits), in the order open_tokens tries them; a format
+# without splits is one stream, the train split
 FORMAT_OPENERS = [
     ("a prepare.py directory (manifest.json)", _prepared, True),
     ("a directory of shard_*.bin files", _shard_dir, False),
@@ -571,13 +533,12 @@ FORMATS = ", ".join(what for what, *_ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS, its split `split` (train or val) where it has
-    splits. `dtype` is for formats that do not record one (default uint16)."""
+    """Open the split `split` (train or val) of a token stream of one of the FORMATS; `dtype` is for
+    formats that record none (default uint16)."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for what, opener, splits in FORMAT_OPENERS:
-        source = opener(p, split, want) if splits else opener(p, want)
-        if source is None:
+        if (source := opener(p, split, want)) is None:
             continue
         if not splits and split != "train":
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
@@ -589,9 +550,8 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
     if p.is_dir() and any(p.glob("train_*.bin")):
         raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
                         "writes last: an interrupted prepare.py run? Run prepare.py again")
-    if p.is_dir():
-        raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}")
-    raise DataError(f"{p}: no such file or directory; expected {FORMATS}")
+    raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}" if p.is_dir() else
+                    f"{p}: no such file or directory; expected {FORMATS}")
 
 
 def _listing(p, limit=8):
@@ -651,7 +611,7 @@ class BatchConfig:
     only which part of it this process takes, so a resume may change them."""
     seq_len: int
     micro_batch: int
-    global_batch: Optional[int] = None
+    global_batch: int | None = None
     seed: int = 0
     rank: int = 0
     world_size: int = 1
@@ -667,26 +627,22 @@ class Batches:
     loads (elastic resume); one with another global_batch, seq_len, seed or blend is refused."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
-        import torch
-
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
         B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
         G = cfg.global_batch or B * world
         self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
         if not 0 <= cfg.rank < world:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found rank "
-                            f"{cfg.rank}")
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found {cfg.rank}")
         if G % (B * world):
             good = max(1, round(G / (B * world))) * B * world
-            raise DataError(
-                f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len {L}) is not "
-                f"a multiple of micro_batch {B} (--batch-size) x world_size {world} = {B * world}; "
-                f"pick sizes where it is, for example --total-batch-size {good * L} ({good} "
-                "sequences)")
+            raise DataError(f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len "
+                            f"{L}) is not a multiple of micro_batch {B} (--batch-size) x "
+                            f"world_size {world} = {B * world}; pick sizes where it is, for "
+                            f"example --total-batch-size {good * L} ({good} sequences)")
         self.accum_steps = G // (B * world)
         self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
-        for s, n in zip(self.sources, self._num_windows):
-            if n < 1:
+        for s, W in zip(self.sources, self._num_windows):
+            if W < 1:
                 raise DataError(f"{s.path}: expected at least seq_len + 1 = {L + 1} tokens, "
                                 f"found {s.num_tokens}")
         ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
@@ -696,32 +652,29 @@ class Batches:
         self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        self.device = torch.device(cfg.device)
         # the state: global samples consumed by all ranks together, and how many from each source
         self._consumed, self._counts = 0, (0,) * len(self.sources)
-        self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
+        self._orders = [(None, None)] * len(self.sources)  # per source: (epoch, its window order)
         self._pool, self._ahead = ThreadPoolExecutor(1) if cfg.prefetch else None, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._pool is None:
-            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
-            return x, y
-        ahead = self._ahead or self._pool.submit(self._build, self._consumed, self._counts)
-        self._ahead = None  # after an error, the next call starts again from the caller's state
-        # each build returns the state after it: the caller's state is what it has taken
-        x, y, self._consumed, self._counts = ahead.result()
-        self._ahead = self._pool.submit(self._build, self._consumed, self._counts)
+        # Each build returns the state after it: the caller's state is what it has taken (after an
+        # error, the next call starts again from it).
+        ahead, self._ahead = self._ahead, None
+        x, y, *state = ahead.result() if ahead else self._build(self._consumed, self._counts)
+        self._consumed, self._counts = state
+        if self._pool is not None:
+            self._ahead = self._pool.submit(self._build, *state)
         return x, y
 
     def state_dict(self) -> dict:
         return {"consumed": self._consumed, "source_consumed": list(self._counts),
                 **self._settings()}
 
-    def _settings(self):
-        # what defines the sample sequence: a resume must keep all of it (plain ints: JSON)
+    def _settings(self):  # what defines the sample sequence: a resume must keep all of it
         c = self.cfg
         return {"global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
                 "seed": int(c.seed), "weights": [str(w) for w in self.weights]}
@@ -748,9 +701,8 @@ class Batches:
     def _build(self, consumed, counts):
         """(x, y, the state after this micro-step of all ranks): a pure function of the state."""
         import torch
-
         B, L, n = self.cfg.micro_batch, self.cfg.seq_len, self.cfg.micro_batch * self.cfg.world_size
-        cuda = self.device.type == "cuda"  # pinned memory, so that the copy can be asynchronous
+        cuda = str(self.cfg.device).startswith("cuda")  # pinned: the copy can be asynchronous
         g = np.empty((B, L + 1), np.int64) if not cuda else torch.empty(
             (B, L + 1), dtype=torch.int64, pin_memory=True).numpy()
         lo = self.cfg.rank * B  # this rank's slice of the micro-step
@@ -764,7 +716,7 @@ class Batches:
                 g[rows] = self.sources[k].windows(self._window_ids(k, first[rows[0]], len(rows)), L)
         # x and y are views of the one buffer, offset by a token: one copy, one transfer
         if cuda:
-            g = torch.from_numpy(g).to(self.device, non_blocking=True)
+            g = torch.from_numpy(g).to(self.cfg.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + n, counts
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
@@ -780,15 +732,12 @@ class Batches:
                                for e in np.unique(epochs).tolist()])
 
     def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
-        cache = self._orders[k]
-        if epoch not in cache:
+        if self._orders[k][0] != epoch:  # (epochs only grow: the last one is all a cache needs)
             W = self._num_windows[k]
             order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
             np.random.default_rng([self.cfg.seed, k, epoch]).shuffle(order)
-            while len(cache) >= 2:
-                cache.pop(min(cache))
-            cache[epoch] = order
-        return cache[epoch]
+            self._orders[k] = epoch, order
+        return self._orders[k][1]
 
 
 def _blend(consumed, counts, shares, lo, B, n):
@@ -818,15 +767,13 @@ def val_batches(source, cfg: BatchConfig, num_batches):
     there are fewer windows than B. Batch j goes to rank j % world_size: a rank may get one batch
     fewer than another, so sum losses and counts across ranks, not per-rank means."""
     import torch
-
     B, L = cfg.micro_batch, cfg.seq_len
-    windows = (source.num_tokens - 1) // L
-    if windows < 1:
+    if (windows := (source.num_tokens - 1) // L) < 1:
         raise DataError(f"{source.path}: expected at least seq_len + 1 = {L + 1} validation "
                         f"tokens, found {source.num_tokens}")
     n = min(num_batches * B, windows)
     bounds = [(j * B, (j + 1) * B) for j in range(n // B)] or [(0, n)]
-    pin = torch.device(cfg.device).type == "cuda"
+    pin = str(cfg.device).startswith("cuda")
     for j in range(cfg.rank, len(bounds), cfg.world_size):
         g = torch.from_numpy(source.windows(np.arange(*bounds[j]), L).astype(np.int64))
         g = (g.pin_memory() if pin else g).to(cfg.device, non_blocking=pin)
