@@ -4,13 +4,12 @@ Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (a prepare.py di
 token files, a nanoGPT data directory, a Megatron-LM indexed dataset) as one token stream, the
 concatenation of its files in order, read through memory maps.
 
-Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
-targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
-permutation of all windows, a pure function of (seed, source, epoch). Global sample g is the g-th
-entry of that endless sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and
-micro-step m on rank r takes the contiguous slice starting at s*G + (m*world_size + r)*micro_batch.
-The whole loader state is therefore the count of consumed samples (plus, when blending, how many
-of them came from each source).
+Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L, targets
+the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of all
+windows, a pure function of (seed, source, epoch). Global sample g is the g-th entry of that endless
+sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-step m on rank r takes
+the slice from s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the count
+of consumed samples (plus, when blending, how many of them came from each source).
 
 The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
 here too, so that every tool writes files and reports errors alike; torch is imported only inside
@@ -46,12 +45,11 @@ _OBJECT = ("an object", lambda v: isinstance(v, dict))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
                    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
                    "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
-SPLIT_FIELDS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-                "shards": ("a list", lambda v: isinstance(v, list))}
+_TOTALS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT}
+SPLIT_FIELDS = {**_TOTALS, "shards": ("a list", lambda v: isinstance(v, list))}
 SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
                          and v.strip(".") != ""),  # a name inside the directory, no path
-                "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-                "sha256": ("a string", lambda v: isinstance(v, str))}
+                **_TOTALS, "sha256": ("a string", lambda v: isinstance(v, str))}
 
 
 class DataError(ValueError):
@@ -95,16 +93,15 @@ def write_atomic(path, data: bytes):
 
 
 def replace_dir(out, fill, ours):
-    """Put a directory built by fill(stage) in place of `out` so that a kill at any instant loses
+    """Put the directory fill(stage) builds in place of `out`, so that a kill at any instant loses
     neither: `out` moves to `.NAME.old`, `.NAME.stage` takes its place, what ours(old) does not
     claim (a user's files) moves into the new one, the old one goes. The holder of `.NAME.lock` (a
-    flock: the OS releases it however the holder ends) knows that a stage or old directory was left
-    by a run that died: a stage goes, an old directory goes back (no `out`) or is retired."""
+    flock, released however its holder ends) knows that a stage or old directory is a dead run's."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
 
-    def settle():  # leave `out` and no stage, no old directory
+    def settle():  # a stage goes, an old directory goes back (no `out`) or is retired
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)
@@ -266,9 +263,8 @@ class TokenSource:
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
         self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in ("vocab_size", "eos_id",
                                                                            "tokenizer"))
-        # each memory map holds a file descriptor: thousands of shards need more than the usual
-        # 1024 (RLIM_INFINITY is -1 on Linux, huge elsewhere: never below `need`)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # each memory map holds a file descriptor: thousands of shards need more than the usual 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # (RLIM_INFINITY: -1 on Linux)
         if 0 <= hard < (need := len(files) + 256):
             raise DataError(f"{len(files)} token files need {need} open files, but the limit is "
                             f"{hard}; raise `ulimit -n`")
@@ -285,9 +281,7 @@ class TokenSource:
                 # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
                 self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
-        self.num_tokens = int(self.starts[-1])
-        if self.num_tokens == 0:
-            raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
+        self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
         # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
         # has each file checked at its first read. A raw source is scanned instead.
         self.recorded = max_token_id is not None
@@ -296,8 +290,8 @@ class TokenSource:
 
     def id_range(self) -> tuple:  # (smallest, largest) token id
         if self._range is None:
-            self._range = (int(min(t.min() for t in self.tokens)),
-                           int(max(t.max() for t in self.tokens)))
+            self._range = (int(min((t.min() for t in self.tokens), default=0)),
+                           int(max((t.max() for t in self.tokens), default=0)))
         return self._range
 
     @property
@@ -352,10 +346,9 @@ class TokenSource:
             if tokens.max() >= V or tokens.min() < 0:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                                f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                                "vocabulary, although the manifest says otherwise: was the file "
-                                f"changed after prepare.py wrote it? `python prepare.py verify "
-                                f"{self.path}` checks every shard")
+                                f"{i * self.dtype.itemsize}) is outside [0, {V}), although the "
+                                "manifest says otherwise: changed after prepare.py wrote it? "
+                                f"`python prepare.py verify {self.path}` checks every shard")
             self.unchecked.discard(k)
 
 
@@ -399,11 +392,9 @@ def read_manifest(directory) -> dict:
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        # a split's totals are what readers trust (max_token_id: the vocabulary check)
-        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
+        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):  # trusted
             if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
-                raise DataError(f"{path}: split {name!r} says {key} {split[key]}, but its shards "
-                                f"say {found}")
+                raise DataError(f"{path}: split {name!r} has {key} {split[key]}, shards {found}")
     return m
 
 
@@ -484,15 +475,13 @@ def _megatron(p, split, dtype):
     if (bad := (pointers != expect) | (lengths < 0)).any():
         i = int(np.argmax(bad))
         raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
-                        f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
-                        f"{pointers[i]}")
+                        f"before: sequence {i} at byte {expect[i]}, found {pointers[i]}")
     if D < 1 or docs[0] != 0 or docs[-1] != S or (np.diff(docs) < 0).any():
         raise DataError(f"{idx}: expected document boundaries rising from 0 to {S} (the sequence "
                         f"count), found {docs[:3].tolist()}...{docs[-3:].tolist()}")
     if (have := binf.stat().st_size) != (want := int(lengths.sum()) * token.itemsize):
         raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per "
-                        f"{idx.name}), found {have}: "
-                        f"{'truncated' if have < want else 'longer than its index says'}")
+                        f"{idx.name}), found {have}: {'truncated' if have < want else 'too long'}")
     return TokenSource(prefix, [binf], token)
 
 
@@ -505,18 +494,16 @@ def _raw_file(p, split, dtype):
         return None
     # Trained on as token ids, text would be garbage without a word of warning. Token ids are
     # almost never printable UTF-8: small ids hold zero bytes, large ones bytes that are not UTF-8.
-    with open(p, "rb") as f:
-        head = f.read(1 << 16)
+    head = np.fromfile(p, np.uint8, 1 << 16).tobytes()
     try:
         text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
     except UnicodeDecodeError:
         text = ""
-    named = p.suffix.lower() in TEXT_SUFFIXES
+    named = p.suffix.lower() in TEXT_SUFFIXES and f"a {p.suffix} file"
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
-        raise DataError(f"{p}: expected a file of token ids, found "
-                        f"{f'a {p.suffix} file' if named else 'UTF-8 text'}, which holds text, not "
-                        f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
-                        "and pass --data DIR")
+        raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
+                        "holds text, not tokens; turn it into shards with `python prepare.py "
+                        f"{p} --out-dir DIR` and pass --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
 
 
@@ -544,8 +531,7 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
                           "(the train split); give the validation data as a separate path")
         if want is not None and source.dtype != want:  # a format that records its dtype
-            raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} asked "
-                            "for")
+            raise DataError(f"{p}: records dtype {source.dtype.name}, not {want.name}")
         return source
     if p.is_dir() and any(p.glob("train_*.bin")):
         raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
@@ -554,10 +540,9 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
                     f"{p}: no such file or directory; expected {FORMATS}")
 
 
-def _listing(p, limit=8):
+def _listing(p):
     names = sorted(x.name for x in p.iterdir())
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more if names else "an empty directory"
+    return ", ".join(names[:8]) + f" and {len(names) - 8} more" * (len(names) > 8) or "no files"
 
 
 def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
@@ -589,10 +574,9 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
             raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, "
                             f"{paths[0]} with {first}: the same ids would mean other things; blend "
                             "data made with one tokenizer")
-    try:
+    val = None
+    with contextlib.suppress(NoSplit):
         val = open_tokens(paths[0], "val", dtype)
-    except NoSplit:
-        val = None
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources + [val] * (val is not None):
         check_vocab(source, vocab)
@@ -670,17 +654,14 @@ class Batches:
             self._ahead = self._pool.submit(self._build, *state)
         return x, y
 
-    def state_dict(self) -> dict:
-        return {"consumed": self._consumed, "source_consumed": list(self._counts),
-                **self._settings()}
-
-    def _settings(self):  # what defines the sample sequence: a resume must keep all of it
+    def state_dict(self) -> dict:  # the position, then what defines the sample sequence
         c = self.cfg
-        return {"global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
+        return {"consumed": self._consumed, "source_consumed": list(self._counts),
+                "global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
                 "seed": int(c.seed), "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
-        for key, mine in self._settings().items():
+        for key, mine in list(self.state_dict().items())[2:]:  # a resume must keep all of those
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}; the sample sequence depends on it, so a "
@@ -722,14 +703,11 @@ class Batches:
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
     def _window_ids(self, k, first, n):  # of source k's samples first .. first + n - 1
-        W = self._num_windows[k]
-        e, p = divmod(first, W)
-        if p + n <= W:
-            return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
-        idx = np.arange(first, first + n)
-        epochs, pos = idx // W, idx % W
-        return np.concatenate([self._order(k, e)[pos[epochs == e]]
-                               for e in np.unique(epochs).tolist()])
+        e, p = divmod(first, self._num_windows[k])
+        ids = self._order(k, e)[p : p + n]  # mostly a slice of one epoch's order, else it runs on
+        while len(ids) < n:
+            e, ids = e + 1, np.concatenate([ids, self._order(k, e + 1)[: n - len(ids)]])
+        return ids
 
     def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
         if self._orders[k][0] != epoch:  # (epochs only grow: the last one is all a cache needs)
