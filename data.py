@@ -11,9 +11,8 @@ sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-ste
 the slice from s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the count
 of consumed samples (plus, when blending, how many of them came from each source).
 
-The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
-here too, so that every tool writes files and reports errors alike; torch is imported only inside
-the functions that make tensors, so prepare.py starts in a blink.
+The file helpers and the tokenizers live here too, so that every tool writes files and reports
+errors alike; torch is imported only where tensors are made: prepare.py starts in a blink.
 """
 import codecs
 import contextlib
@@ -319,11 +318,10 @@ class TokenSource:
         ids, n = np.asarray(ids), seq_len + 1
         if self.unchecked:
             self._check(ids, seq_len)
+        out = np.empty((len(ids), n), self.dtype) if out is None else out
         if len(self.tokens) == 1:  # the windows as overlapping rows of the file: one gather
             if seq_len not in self._rows:  # (a view, but 30 us to make: once)
                 self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
-            if out is None:
-                return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
         begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
@@ -332,7 +330,6 @@ class TokenSource:
         for b, lo, k in zip(begin.tolist(), (begin - self.starts[first]).tolist(), first.tolist()):
             piece = self.tokens[k][lo : lo + n]  # a window at a file's end runs on into the next
             pieces.append(piece if len(piece) == n else self.read(b, n))
-        out = np.empty((len(ids), n), self.dtype) if out is None else out
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
@@ -572,8 +569,7 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     for path, source in zip(paths[1:], sources[1:]):
         if first and source.tokenizer and source.tokenizer != first:
             raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, "
-                            f"{paths[0]} with {first}: the same ids would mean other things; blend "
-                            "data made with one tokenizer")
+                            f"{paths[0]} with {first}: blend data made with one tokenizer")
     val = None
     with contextlib.suppress(NoSplit):
         val = open_tokens(paths[0], "val", dtype)
@@ -589,10 +585,9 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 @dataclasses.dataclass
 class BatchConfig:
-    """How the token streams are cut into micro-batches. seq_len, global_batch (the sequences of
-    one optimizer step over all ranks, a multiple of micro_batch * world_size; default one
-    micro-batch per rank) and seed define the sample sequence; micro_batch, rank and world_size
-    only which part of it this process takes, so a resume may change them."""
+    """seq_len, global_batch (sequences per optimizer step over all ranks, a multiple of micro_batch
+    * world_size; default one micro-batch per rank) and seed define the sample sequence; micro_batch,
+    rank and world_size which part this process takes (a resume may change them)."""
     seq_len: int
     micro_batch: int
     global_batch: int | None = None
@@ -625,10 +620,9 @@ class Batches:
                             f"example --total-batch-size {good * L} ({good} sequences)")
         self.accum_steps = G // (B * world)
         self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
-        for s, W in zip(self.sources, self._num_windows):
-            if W < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {L + 1} tokens, "
-                                f"found {s.num_tokens}")
+        if short := [s for s in self.sources if s.num_tokens <= L]:
+            raise DataError(f"{short[0].path}: expected at least seq_len + 1 = {L + 1} tokens, "
+                            f"found {short[0].num_tokens}")
         ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
         if len(ws) != len(self.sources) or min(ws) <= 0:
             raise DataError(f"blend weights: expected {len(self.sources)} positive weights, one "
@@ -645,8 +639,7 @@ class Batches:
         return self
 
     def __next__(self):
-        # Each build returns the state after it: the caller's state is what it has taken (after an
-        # error, the next call starts again from it).
+        # a build returns the state after it: ours is what the caller took (after an error too)
         ahead, self._ahead = self._ahead, None
         x, y, *state = ahead.result() if ahead else self._build(self._consumed, self._counts)
         self._consumed, self._counts = state
@@ -664,13 +657,11 @@ class Batches:
         for key, mine in list(self.state_dict().items())[2:]:  # a resume must keep all of those
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
-                                f"has {key} = {mine}; the sample sequence depends on it, so a "
-                                "resume must keep it (or start a fresh run)")
+                                f"has {key} = {mine}: a resume must keep it, or start a fresh run")
         consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
         if (consumed % self.cfg.global_batch) % step:
             raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
-                            "an optimizer step, which is not a whole number of micro_batch x "
-                            f"world_size = {step} samples; resume from a step boundary")
+                            f"a step, not a whole number of micro_batch x world_size = {step}")
         self.close()
         self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
 
