@@ -585,9 +585,9 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 @dataclasses.dataclass
 class BatchConfig:
-    """seq_len, global_batch (sequences per optimizer step over all ranks, a multiple of micro_batch
-    * world_size; default one micro-batch per rank) and seed define the sample sequence; micro_batch,
-    rank and world_size which part this process takes (a resume may change them)."""
+    """seq_len, global_batch (sequences a step on all ranks, a multiple of micro_batch * world_size;
+    default one micro-batch per rank) and seed define the sample sequence; micro_batch, rank and
+    world_size only which part this process takes (a resume may change them)."""
     seq_len: int
     micro_batch: int
     global_batch: int | None = None
