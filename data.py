@@ -297,9 +297,17 @@ class TokenSource:
     def max_token_id(self) -> int:
         return self.id_range()[1]
 
-    def check_on_read(self, vocab_size: int):
-        """Check each file's ids against [0, vocab_size) the first time it is read."""
-        self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
+    def check_vocab(self, vocab_size: int):
+        """Refuse token ids outside [0, vocab_size): the recorded range now, and each file again at
+        its first read (a shard edited after prepare.py keeps its size)."""
+        lo, hi = self.id_range()
+        if lo < 0 or hi >= vocab_size:
+            theirs = f" (its tokenizer has {self.vocab_size} ids)" if self.vocab_size else ""
+            raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}), the model's "
+                            f"vocabulary, found {hi if hi >= vocab_size else lo}{theirs}; use a "
+                            "model with a larger vocabulary or data made with its tokenizer")
+        if self.recorded:
+            self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
@@ -312,9 +320,8 @@ class TokenSource:
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids` (see the module doc): a (len(ids), seq_len + 1) array of the
-        source dtype, or written into `out`, C-contiguous of any dtype (Batches passes int64: the
-        conversion happens in the same pass as the copy)."""
+        """Windows `ids` (see the module doc), (len(ids), seq_len + 1), in the source dtype or
+        written into `out` (C-contiguous, any dtype: Batches's int64 is converted as it copies)."""
         ids, n = np.asarray(ids), seq_len + 1
         if self.unchecked:
             self._check(ids, seq_len)
@@ -349,17 +356,7 @@ class TokenSource:
             self.unchecked.discard(k)
 
 
-def check_vocab(source: TokenSource, vocab_size: int):
-    """Refuse a `source` with token ids outside [0, vocab_size): its recorded range now, and each
-    file again at its first read (a shard edited after prepare.py keeps its size)."""
-    lo, hi = source.id_range()
-    if lo < 0 or hi >= vocab_size:
-        theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
-        raise DataError(f"{source.path}: expected token ids in [0, {vocab_size}) for a model with "
-                        f"vocab_size {vocab_size}, found {hi if hi >= vocab_size else lo}{theirs}; "
-                        "use a model with a larger vocabulary or data made with its tokenizer")
-    if source.recorded:
-        source.check_on_read(vocab_size)
+check_vocab = TokenSource.check_vocab  # check_vocab(source, vocab_size)
 
 
 # -----------------------------------------------------------------------------
@@ -517,8 +514,7 @@ FORMATS = ", ".join(what for what, *_ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open the split `split` (train or val) of a token stream of one of the FORMATS; `dtype` is for
-    formats that record none (default uint16)."""
+    """Split `split` (train or val) of a stream of the FORMATS; `dtype` where none is recorded."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for what, opener, splits in FORMAT_OPENERS:
@@ -543,10 +539,9 @@ def _listing(p):
 
 
 def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
-    """train.py's --data: specs are paths, or PATH:WEIGHT to blend several (or ["synthetic"]:
-    random tokens in a file under tmpdir, the only way random data is ever used). Returns (train
-    sources, weights or None, the first path's val source or None, vocab_size), every source checked
-    against the vocabulary (by default the first source's, else GPT-2's 50257)."""
+    """train.py's --data: paths, or PATH:WEIGHT to blend several, or ["synthetic"] (random tokens
+    in a file under tmpdir). Returns (train sources, weights or None, the first path's val source or
+    None, vocab_size: by default the first source's, else GPT-2's), each source checked on it."""
     if list(specs) == ["synthetic"]:
         vocab, path = vocab_size or 50257, Path(tmpdir) / "synthetic.bin"
         np.random.default_rng(seed).integers(0, vocab, 1 << 22).astype(np.uint32).tofile(path)
@@ -599,11 +594,10 @@ class BatchConfig:
 
 
 class Batches:
-    """The endless sequence of this rank's micro-batches (see the module doc): (x, y) for each
-    micro-step of each optimizer step in turn, int64 (micro_batch, seq_len) tensors, y[:, j] ==
-    x[:, j + 1], both views of one buffer (one copy, one transfer to a GPU). Several sources are
-    blended by `weights` (default equal). A state saved with another world_size or micro_batch
-    loads (elastic resume); one with another global_batch, seq_len, seed or blend is refused."""
+    """This rank's endless micro-batches (see the module doc), (x, y) int64 (micro_batch, seq_len)
+    views of one buffer (one copy, one transfer), of `sources` blended by `weights` (default equal).
+    A state saved with another world_size or micro_batch loads (elastic resume); one with another
+    global_batch, seq_len, seed or blend is refused."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
