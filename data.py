@@ -1,8 +1,7 @@
 """Token sources and the batches a training step sees.
 
-Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (a prepare.py directory, raw
-token files, a nanoGPT data directory, a Megatron-LM indexed dataset) as one token stream, the
-concatenation of its files in order, read through memory maps.
+Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (prepare.py's shards, raw token
+files, nanoGPT's, Megatron-LM's) as one token stream, its files in order, through memory maps.
 
 Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L, targets
 the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of all
@@ -99,7 +98,6 @@ def replace_dir(out, fill, ours):
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
-
     def settle():  # a stage goes, an old directory goes back (no `out`) or is retired
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
@@ -113,13 +111,11 @@ def replace_dir(out, fill, ours):
                                   stacklevel=3)
             shutil.rmtree(old)
             fsync(out.parent)
-
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DataError(f"{out} is being written by another process; wait for it to "
-                            "finish") from None
+            raise DataError(f"{out} is being written by another process; wait for it") from None
         settle()  # after a run that died
         try:
             stage.mkdir()
@@ -161,7 +157,6 @@ EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # l
 
 class ByteTokenizer:
     """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
-
     spec = {"name": "byte"}
     vocab_size, eos_id = 257, 256
 
@@ -178,7 +173,6 @@ class ByteTokenizer:
 
 class GPT2Tokenizer:
     """tiktoken's GPT-2 BPE (r50k_base), EOS 50,256; a text spelling "<|endoftext|>" is text."""
-
     spec = {"name": "gpt2"}
 
     def __init__(self):
@@ -262,9 +256,8 @@ class TokenSource:
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
         self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in ("vocab_size", "eos_id",
                                                                            "tokenizer"))
-        # each memory map holds a file descriptor: thousands of shards need more than the usual 1024
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # (RLIM_INFINITY: -1 on Linux)
-        if 0 <= hard < (need := len(files) + 256):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a memory map holds a descriptor:
+        if 0 <= hard < (need := len(files) + 256):  # thousands need over 1024 (-1: unlimited)
             raise DataError(f"{len(files)} token files need {need} open files, but the limit is "
                             f"{hard}; raise `ulimit -n`")
         if 0 <= soft < need:
@@ -288,9 +281,8 @@ class TokenSource:
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
     def id_range(self) -> tuple:  # (smallest, largest) token id
-        if self._range is None:
-            self._range = (int(min((t.min() for t in self.tokens), default=0)),
-                           int(max((t.max() for t in self.tokens), default=0)))
+        self._range = self._range or (int(min((t.min() for t in self.tokens), default=0)),
+                                      int(max((t.max() for t in self.tokens), default=0)))
         return self._range
 
     @property
@@ -704,20 +696,17 @@ class Batches:
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """The source and per-source index of samples [lo, lo + B) of the micro-step of n samples at
-    global sample `consumed`, and the per-source counts after it. Earliest deadline first among the
-    sources not ahead of their share, in integers: weight k = a[k] / D, source k is eligible for
-    sample g when c[k] < (g + 1) a[k] / D, its deadline (c[k] + 1) / a[k]. Every prefix is then
-    within one sample of its shares ("largest deficit first" is not: see tests/test_data.py)."""
+    """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at global
+    sample `consumed`, and the counts after it. Earliest deadline first among the sources not ahead
+    of their share (weight a[k] / D, eligible for sample g when c[k] < (g + 1) a[k] / D, deadline
+    (c[k] + 1) / a[k]) keeps every prefix within one sample of its shares ("largest deficit first"
+    does not: see tests/test_data.py)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
-    for i in range(n):
-        g, best = consumed + i, -1
-        for k in range(len(c)):
-            eligible = c[k] * D < (g + 1) * a[k]
-            if eligible and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
-                best = k
+    for i in range(n):  # (the first of equal deadlines: min keeps the first)
+        eligible = [k for k in range(len(c)) if c[k] * D < (consumed + i + 1) * a[k]]
+        best = min(eligible, key=lambda k: Fraction(c[k] + 1, a[k]))
         if lo <= i < lo + B:
             src[i - lo], idx[i - lo] = best, c[best]
         c[best] += 1
@@ -725,10 +714,9 @@ def _blend(consumed, counts, shares, lo, B, n):
 
 
 def val_batches(source, cfg: BatchConfig, num_batches):
-    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... of `source` (B =
-    cfg.micro_batch), as many full batches as exist up to `num_batches`, or one smaller batch when
-    there are fewer windows than B. Batch j goes to rank j % world_size: a rank may get one batch
-    fewer than another, so sum losses and counts across ranks, not per-rank means."""
+    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... up to `num_batches`
+    full ones (or one smaller one when there are fewer windows than B). Batch j goes to rank j %
+    world_size: a rank may get one fewer, so sum losses and counts across ranks, not means."""
     import torch
     B, L = cfg.micro_batch, cfg.seq_len
     if (windows := (source.num_tokens - 1) // L) < 1:
