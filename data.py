@@ -36,7 +36,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
-# What each manifest field must hold: (in words, test). read_manifest checks them all, so that a
+# manifest.json: {"format", "version", MANIFEST_FIELDS, "stats"}, "splits" {name: SPLIT_FIELDS},
+# each split's "shards" [SHARD_FIELDS]. A field: (what it must hold in words, its test), so that a
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
 _OBJECT = ("an object", lambda v: isinstance(v, dict))
@@ -262,16 +263,15 @@ class TokenSource:
                             f"{hard}; raise `ulimit -n`")
         if 0 <= soft < need:
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-        self.files, self.tokens = [], []
         for f in map(Path, files):
             if (size := f.stat().st_size) % self.dtype.itemsize:
                 raise DataError(f"{f}: expected a whole number of {self.dtype.name} tokens "
                                 f"({self.dtype.itemsize} bytes each), found {size} bytes; wrong "
                                 "--data-dtype, or a truncated file?")
-            if size:  # np.memmap refuses empty files, and they hold no tokens anyway
-                self.files.append(f)
-                # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
-                self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
+        self.files = [f for f in map(Path, files) if f.stat().st_size]  # (memmap refuses empty)
+        # plain ndarray views: slicing one is several times cheaper than slicing a memmap
+        self.tokens = [np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray)
+                       for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
         self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
         # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
@@ -357,10 +357,7 @@ check_vocab = TokenSource.check_vocab  # check_vocab(source, vocab_size)
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json`, whose layout is
-    {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
-     "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
-     "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}"""
+    """Read `directory/manifest.json`, every field checked (see MANIFEST_FIELDS)."""
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
