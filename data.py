@@ -99,6 +99,7 @@ def replace_dir(out, fill, ours):
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
+
     def settle():  # a stage goes, an old directory goes back (no `out`) or is retired
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
@@ -112,6 +113,7 @@ def replace_dir(out, fill, ours):
                                   stacklevel=3)
             shutil.rmtree(old)
             fsync(out.parent)
+
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -613,8 +615,7 @@ class Batches:
         self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        # the state: global samples consumed by all ranks together, and how many from each source
-        self._consumed, self._counts = 0, (0,) * len(self.sources)
+        self._consumed, self._counts = 0, (0,) * len(self.sources)  # the state: all ranks' samples
         self._orders = [(None, None)] * len(self.sources)  # per source: (epoch, its window order)
         self._pool, self._ahead = ThreadPoolExecutor(1) if cfg.prefetch else None, None
 
