@@ -343,10 +343,9 @@ class TokenSource:
             tokens, V = self.tokens[k], self._vocab
             if tokens.max() >= V or tokens.min() < 0:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
-                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                                f"{i * self.dtype.itemsize}) is outside [0, {V}), although the "
-                                "manifest says otherwise: changed after prepare.py wrote it? "
-                                f"`python prepare.py verify {self.path}` checks every shard")
+                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
+                                f"outside [0, {V}), though the manifest says otherwise: changed "
+                                f"since? `python prepare.py verify {self.path}` checks every shard")
             self.unchecked.discard(k)
 
 
@@ -487,8 +486,7 @@ def _raw_file(p, split, dtype):
     named = p.suffix.lower() in TEXT_SUFFIXES and f"a {p.suffix} file"
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
         raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
-                        "holds text, not tokens; turn it into shards with `python prepare.py "
-                        f"{p} --out-dir DIR` and pass --data DIR")
+                        f"holds text: `python prepare.py {p} --out-dir DIR` makes it --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
 
 
