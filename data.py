@@ -251,9 +251,8 @@ def load_tokenizer(spec: dict, directory=None):
 
 
 class TokenSource:
-    """One token stream of memory-mapped files: files (the non-empty ones), tokens[k] (files[k]'s,
-    read-only) starting at stream position starts[k]; vocab_size, eos_id and tokenizer (a spec)
-    from `manifest` where the format has one, else None."""
+    """A token stream of memory-mapped files: files (non-empty), tokens[k] (files[k]'s, read-only)
+    from stream position starts[k]; vocab_size, eos_id and tokenizer from `manifest`, else None."""
 
     def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
@@ -307,10 +306,9 @@ class TokenSource:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        pieces, k = [], int(self.starts.searchsorted(start, "right")) - 1
-        while n > 0:  # from one file on into the next
-            pieces.append(p := self.tokens[k][start - int(self.starts[k]) :][:n])
-            start, n, k = start + len(p), n - len(p), k + 1
+        a, b = self.starts.searchsorted(start, "right") - 1, self.starts.searchsorted(start + n)
+        pieces = [t[max(start - s, 0) : start + n - s]  # of files a .. b - 1
+                  for t, s in zip(self.tokens[a:b], self.starts[a:b].tolist())]
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
@@ -582,10 +580,9 @@ class BatchConfig:
 
 
 class Batches:
-    """This rank's endless micro-batches (see the module doc), (x, y) int64 (micro_batch, seq_len)
-    views of one buffer (one copy, one transfer), of `sources` blended by `weights` (default equal).
-    A state saved with another world_size or micro_batch loads (elastic resume); one with another
-    global_batch, seq_len, seed or blend is refused."""
+    """This rank's endless micro-batches (see the module doc): (x, y) int64 (micro_batch, seq_len)
+    views of one buffer, of `sources` blended by `weights`. A resume (load_state_dict) may change
+    world_size and micro_batch (elastic), never global_batch, seq_len, seed or the blend."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
@@ -691,10 +688,9 @@ class Batches:
 
 def _blend(consumed, counts, shares, lo, B, n):
     """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at global
-    sample `consumed`, and the counts after it. Earliest deadline first among the sources not ahead
-    of their share (weight a[k] / D, eligible for sample g when c[k] < (g + 1) a[k] / D, deadline
-    (c[k] + 1) / a[k]) keeps every prefix within one sample of its shares ("largest deficit first"
-    does not: see tests/test_data.py)."""
+    sample `consumed`, and the counts after. Earliest deadline first among the sources not ahead of
+    their share (weight a[k] / D: eligible for sample g when c[k] < (g + 1) a[k] / D, deadline (c[k]
+    + 1) / a[k]) keeps every prefix within a sample of its shares (tests/test_data.py: not LDF)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
