@@ -258,8 +258,8 @@ class TokenSource:
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
         self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in ("vocab_size", "eos_id",
                                                                            "tokenizer"))
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a memory map holds a descriptor:
-        if 0 <= hard < (need := len(files) + 256):  # thousands need over 1024 (-1: unlimited)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # each memory map holds a file
+        if 0 <= hard < (need := len(files) + 256):  # descriptor: thousands > 1024 (-1: no limit)
             raise DataError(f"{len(files)} token files need {need} open files, but the limit is "
                             f"{hard}; raise `ulimit -n`")
         if 0 <= soft < need:
@@ -598,7 +598,6 @@ class Batches:
                             f"world_size {world} = {B * world}; pick sizes where it is, for "
                             f"example --total-batch-size {good * L} ({good} sequences)")
         self.accum_steps = G // (B * world)
-        self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
         if short := [s for s in self.sources if s.num_tokens <= L]:
             raise DataError(f"{short[0].path}: expected at least seq_len + 1 = {L + 1} tokens, "
                             f"found {short[0].num_tokens}")
@@ -671,7 +670,7 @@ class Batches:
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
     def _window_ids(self, k, first, n):  # of source k's samples first .. first + n - 1
-        e, p = divmod(first, self._num_windows[k])
+        e, p = divmod(first, (self.sources[k].num_tokens - 1) // self.cfg.seq_len)
         ids = self._order(k, e)[p : p + n]  # mostly a slice of one epoch's order, else it runs on
         while len(ids) < n:
             e, ids = e + 1, np.concatenate([ids, self._order(k, e + 1)[: n - len(ids)]])
@@ -679,7 +678,7 @@ class Batches:
 
     def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
         if self._orders[k][0] != epoch:  # (epochs only grow: the last one is all a cache needs)
-            W = self._num_windows[k]
+            W = (self.sources[k].num_tokens - 1) // self.cfg.seq_len
             order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
             np.random.default_rng([self.cfg.seed, k, epoch]).shuffle(order)
             self._orders[k] = epoch, order
@@ -689,8 +688,9 @@ class Batches:
 def _blend(consumed, counts, shares, lo, B, n):
     """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at global
     sample `consumed`, and the counts after. Earliest deadline first among the sources not ahead of
-    their share (weight a[k] / D: eligible for sample g when c[k] < (g + 1) a[k] / D, deadline (c[k]
-    + 1) / a[k]) keeps every prefix within a sample of its shares (tests/test_data.py: not LDF)."""
+    their share (weight a[k] / D: eligible for sample g when c[k] < (g + 1) a[k] / D, deadline
+    (c[k] + 1) / a[k]) keeps every prefix within a sample of its shares; "largest deficit first"
+    does not (tests/test_data.py)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
