@@ -467,10 +467,6 @@ def _megatron(p, split, dtype):
     return TokenSource(prefix, [binf], token)
 
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv",
-                 ".html")
-
-
 def _raw_file(p, split, dtype):
     if not p.is_file():
         return None
@@ -481,7 +477,8 @@ def _raw_file(p, split, dtype):
         text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
     except UnicodeDecodeError:
         text = ""
-    named = p.suffix.lower() in TEXT_SUFFIXES and f"a {p.suffix} file"
+    named = p.suffix.lower() in (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv",
+                                 ".tsv", ".html") and f"a {p.suffix} file"
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
         raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
                         f"holds text: `python prepare.py {p} --out-dir DIR` makes it --data DIR")
