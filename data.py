@@ -247,7 +247,7 @@ def load_tokenizer(spec: dict, directory=None):
 
 
 # -----------------------------------------------------------------------------
-# token sources
+# token sources, and the formats they are read from
 
 
 class TokenSource:
@@ -348,11 +348,6 @@ class TokenSource:
 
 
 check_vocab = TokenSource.check_vocab  # check_vocab(source, vocab_size)
-
-
-# -----------------------------------------------------------------------------
-# the formats. An opener takes (path, split, dtype or None) and returns a TokenSource, or None when
-# the path is not of its format: a new format is one opener and one line in FORMAT_OPENERS.
 
 
 def read_manifest(directory) -> dict:
@@ -485,7 +480,9 @@ def _raw_file(p, split, dtype):
     return TokenSource(p, [p], dtype or np.uint16)
 
 
-# (what it is, its opener, whether it has splits; if not, it is one stream: the train split)
+# An opener takes (path, split, dtype or None) and returns a TokenSource, or None when the path is
+# not of its format: a new format is one opener and one line here, (what it is, its opener, whether
+# it has splits; if not, it is one stream: the train split), in the order open_tokens tries them.
 FORMAT_OPENERS = [
     ("a prepare.py directory (manifest.json)", _prepared, True),
     ("a directory of shard_*.bin files", _shard_dir, False),
