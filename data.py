@@ -79,8 +79,7 @@ def sha256(path) -> str:
 
 def write_atomic(path, data: bytes):
     """Write `path` whole or not at all: a temporary beside it, fsync, rename, fsync the dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = (path := Path(path)).with_name(f".{path.name}.tmp")
     try:
         tmp.write_bytes(data)
         fsync(tmp)
