@@ -210,13 +210,11 @@ class FileTokenizer:
                             f"cannot load ({e})") from None
         self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
         names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        found = [(n, i) for n in names if (i := self._tok.token_to_id(n)) is not None]
-        if not found:
+        if not (found := [n for n in names if self._tok.token_to_id(n) is not None]):
             raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
                             "found none; name the one it has with --eos-token")
-        eos_token, self.eos_id = found[0]
+        self.spec, self.eos_id = {**spec, "eos_token": found[0]}, self._tok.token_to_id(found[0])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.spec = {**spec, "eos_token": eos_token}
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -298,8 +296,7 @@ class TokenSource:
             raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}), the model's "
                             f"vocabulary, found {hi if hi >= vocab_size else lo}{theirs}; use a "
                             "model with a larger vocabulary or data made with its tokenizer")
-        if self.recorded:
-            self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
+        self._vocab, self.unchecked = vocab_size, set(range(len(self.files)) if self.recorded else ())
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
