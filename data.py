@@ -296,7 +296,7 @@ class TokenSource:
             raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}), the model's "
                             f"vocabulary, found {hi if hi >= vocab_size else lo}{theirs}; use a "
                             "model with a larger vocabulary or data made with its tokenizer")
-        self._vocab, self.unchecked = vocab_size, set(range(len(self.files)) if self.recorded else ())
+        self._vocab, self.unchecked = vocab_size, set(range(len(self.files) * self.recorded))
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
