@@ -322,9 +322,11 @@ class TokenSource:
         begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
         first = self.starts.searchsorted(begin, "right") - 1  # the file each window starts in
         pieces = []  # one concatenate of all the windows' pieces, not a Python setitem each
-        for b, lo, k in zip(begin.tolist(), (begin - self.starts[first]).tolist(), first.tolist()):
-            piece = self.tokens[k][lo : lo + n]  # a window at a file's end runs on into the next
-            pieces.append(piece if len(piece) == n else self.read(b, n))
+        for lo, k in zip((begin - self.starts[first]).tolist(), first.tolist()):
+            h = 0
+            while h < n:  # at a file's end the window runs on into the next file(s)
+                pieces.append(piece := self.tokens[k][lo : lo + n - h])
+                h, k, lo = h + len(piece), k + 1, 0
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
