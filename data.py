@@ -341,7 +341,7 @@ class TokenSource:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
                                 f"outside [0, {V}), though the manifest says otherwise: changed "
-                                f"since? `python prepare.py verify {self.path}` checks every shard")
+                                f"after prepare.py wrote it? See `prepare.py verify {self.path}`")
             self.unchecked.discard(k)
 
 
