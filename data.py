@@ -502,7 +502,7 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
                           "(the train split); give the validation data as a separate path")
         if want is not None and source.dtype != want:  # a format that records its dtype
-            raise DataError(f"{p}: records dtype {source.dtype.name}, not {want.name}")
+            raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} given")
         return source
     if p.is_dir() and any(p.glob("train_*.bin")):
         raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
