@@ -341,7 +341,7 @@ class TokenSource:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
                                 f"outside [0, {V}), though the manifest says otherwise: changed "
-                                f"after prepare.py wrote it? See `prepare.py verify {self.path}`")
+                                f"after prepare.py wrote it? `python prepare.py verify {self.path}`")
             self.unchecked.discard(k)
 
 
@@ -367,7 +367,8 @@ def read_manifest(directory) -> dict:
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):  # trusted
+        # a split's totals are what readers trust (max_token_id: the vocabulary check)
+        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
             if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
                 raise DataError(f"{path}: split {name!r} has {key} {split[key]}, shards {found}")
     return m
