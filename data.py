@@ -340,8 +340,9 @@ class TokenSource:
             if tokens.max() >= V or tokens.min() < 0:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
-                                f"outside [0, {V}), though the manifest says otherwise: changed since"
-                                f" prepare.py wrote it? `python prepare.py verify {self.path}`")
+                                f"outside [0, {V}), though the manifest says otherwise: changed "
+                                "since prepare.py wrote it? `python prepare.py verify "
+                                f"{self.path}` checks every shard")
             self.unchecked.discard(k)
 
 
