@@ -1,27 +1,23 @@
 """Token sources and the batches a training step sees.
 
-Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (a prepare.py directory, raw
-token files, a nanoGPT data directory, a Megatron-LM indexed dataset) as one token stream, the
-concatenation of its files in order, read through memory maps.
+Sources: `open_tokens(path, split)` opens any of FORMAT_OPENERS (prepare.py's shards, raw token
+files, nanoGPT's, Megatron-LM's) as one token stream, its files in order, through memory maps.
 
-Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
-targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
-permutation of all windows, a pure function of (seed, source, epoch). Global sample g is the g-th
-entry of that endless sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and
-micro-step m on rank r takes the contiguous slice starting at s*G + (m*world_size + r)*micro_batch.
-The whole loader state is therefore the count of consumed samples (plus, when blending, how many
-of them came from each source).
+Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L, targets
+the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh permutation of all
+windows, a pure function of (seed, source, epoch). Global sample g is the g-th entry of that endless
+sequence; optimizer step s consumes global samples [s*G, (s+1)*G), and micro-step m on rank r takes
+the slice from s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the count
+of consumed samples (plus, when blending, how many of them came from each source).
 
-The file helpers (fsync, sha256, write_atomic, replace_dir, cli_errors) and the tokenizers live
-here too, so that every tool writes files and reports errors alike, and sample.py can decode.
-torch is imported only inside the functions that make tensors: prepare.py starts in a blink.
+The file helpers and the tokenizers live here too, so that every tool writes files and reports
+errors alike; torch is imported only where tensors are made: prepare.py starts in a blink.
 """
 import codecs
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -33,7 +29,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -41,19 +36,19 @@ from numpy.lib.stride_tricks import sliding_window_view
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "mamba3-lite-tokens"
 MANIFEST_VERSION = 1
-# What each manifest field must hold: (in words, test). read_manifest checks them all, so that a
+# manifest.json: {"format", "version", MANIFEST_FIELDS, "stats"}, "splits" {name: SPLIT_FIELDS},
+# each split's "shards" [SHARD_FIELDS]. A field: (what it must hold in words, its test), so that a
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
 _OBJECT = ("an object", lambda v: isinstance(v, dict))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
                    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
                    "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
-SPLIT_FIELDS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-                "shards": ("a list", lambda v: isinstance(v, list))}
+_TOTALS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT}
+SPLIT_FIELDS = {**_TOTALS, "shards": ("a list", lambda v: isinstance(v, list))}
 SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
                          and v.strip(".") != ""),  # a name inside the directory, no path
-                "tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT,
-                "sha256": ("a string", lambda v: isinstance(v, str))}
+                **_TOTALS, "sha256": ("a string", lambda v: isinstance(v, str))}
 
 
 class DataError(ValueError):
@@ -84,8 +79,7 @@ def sha256(path) -> str:
 
 def write_atomic(path, data: bytes):
     """Write `path` whole or not at all: a temporary beside it, fsync, rename, fsync the dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = (path := Path(path)).with_name(f".{path.name}.tmp")
     try:
         tmp.write_bytes(data)
         fsync(tmp)
@@ -97,52 +91,45 @@ def write_atomic(path, data: bytes):
 
 
 def replace_dir(out, fill, ours):
-    """Put a freshly built directory in place of `out` so that a kill at any instant loses neither.
-
-    fill(stage) fills an empty `.NAME.stage` beside `out`; `out` moves to `.NAME.old`, the stage
-    takes its place, what ours(old) does not claim (a user's files) moves into the new one, and the
-    old one goes. The holder of `.NAME.lock` (a flock: the OS releases it however the holder ends)
-    knows that a stage or old directory was left by a run that died: a stage is removed, an old
-    directory put back (no `out`) or retired. Returns fill's result."""
+    """Put the directory fill(stage) builds in place of `out`, so that a kill at any instant loses
+    neither: `out` moves to `.NAME.old`, `.NAME.stage` takes its place, what ours(old) does not
+    claim (a user's files) moves into the new one, the old one goes. The holder of `.NAME.lock` (a
+    flock, released however its holder ends) knows that a stage or old directory is a dead run's."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage, old = out.parent / f".{out.name}.stage", out.parent / f".{out.name}.old"
+
+    def settle():  # a stage goes, an old directory goes back (no `out`) or is retired
+        shutil.rmtree(stage, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        elif old.exists():  # what it holds that is not the tool's own moves over first
+            mine = ours(old)
+            for p in sorted(old.iterdir()):
+                if p.name not in mine and not (out / p.name).exists():
+                    os.rename(p, out / p.name)
+                    warnings.warn(f"kept {p.name}, which is not the tool's own, in {out}",
+                                  stacklevel=3)
+            shutil.rmtree(old)
+            fsync(out.parent)
+
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DataError(f"{out} is being written by another process; wait for it to "
-                            "finish") from None
-        shutil.rmtree(stage, ignore_errors=True)
-        if old.exists():
-            _retire(old, out, ours) if out.exists() else os.rename(old, out)
-        stage.mkdir()
+            raise DataError(f"{out} is being written by another process; wait for it") from None
+        settle()  # after a run that died
         try:
+            stage.mkdir()
             result = fill(stage)
             fsync(stage)
             if out.exists():
                 os.rename(out, old)
             os.rename(stage, out)
             fsync(out.parent)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            if old.exists() and not out.exists():
-                os.rename(old, out)
-            raise
-        if old.exists():
-            _retire(old, out, ours)
+        finally:  # after a failure too: `out` is the old directory or the new one, never neither
+            settle()
     return result
-
-
-def _retire(old, out, ours):
-    # the replaced directory goes, but first what it holds that is not the tool's own moves over
-    mine = ours(old)
-    for p in sorted(old.iterdir()):
-        if p.name not in mine and not (out / p.name).exists():
-            os.rename(p, out / p.name)
-            warnings.warn(f"kept {p.name}, which is not the tool's own, in {out}", stacklevel=3)
-    shutil.rmtree(old)
-    fsync(out.parent)
 
 
 @contextlib.contextmanager
@@ -152,7 +139,6 @@ def cli_errors(*expected):
     import typer
     from rich.console import Console
     from rich.markup import escape
-
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     try:
         yield
@@ -173,7 +159,6 @@ EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # l
 
 class ByteTokenizer:
     """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
-
     spec = {"name": "byte"}
     vocab_size, eos_id = 257, 256
 
@@ -189,22 +174,18 @@ class ByteTokenizer:
 
 
 class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base): vocabulary 50,257, EOS 50,256. A text that spells
-    "<|endoftext|>" is ordinary text, not the EOS id."""
-
+    """tiktoken's GPT-2 BPE (r50k_base), EOS 50,256; a text spelling "<|endoftext|>" is text."""
     spec = {"name": "gpt2"}
 
     def __init__(self):
         import tiktoken
-
         try:
             self._enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:  # a download failure surfaces as one of many network error types
             raise DataError(
-                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {type(e).__name__}: {e}. "
-                "tiktoken downloads it on first use; without network, set TIKTOKEN_CACHE_DIR to a "
-                "directory holding a copy named 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use "
-                "--tokenizer byte") from None
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
+                "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
+                "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
         self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
 
     def encode(self, text):
@@ -222,7 +203,6 @@ class FileTokenizer:
 
     def __init__(self, path, spec):
         from tokenizers import Tokenizer
-
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -230,13 +210,11 @@ class FileTokenizer:
                             f"cannot load ({e})") from None
         self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
         names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        found = [(n, i) for n in names if (i := self._tok.token_to_id(n)) is not None]
-        if not found:
+        if not (found := [n for n in names if self._tok.token_to_id(n) is not None]):
             raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
                             "found none; name the one it has with --eos-token")
-        eos_token, self.eos_id = found[0]
+        self.spec, self.eos_id = {**spec, "eos_token": found[0]}, self._tok.token_to_id(found[0])
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.spec = {**spec, "eos_token": eos_token}
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -266,158 +244,119 @@ def load_tokenizer(spec: dict, directory=None):
 
 
 # -----------------------------------------------------------------------------
-# token sources
+# token sources, and the formats they are read from
 
 
 class TokenSource:
-    """One token stream made of memory-mapped files, read without copying where possible.
-
-    files: its non-empty files; tokens[k]: the tokens of files[k] (read-only), which start at stream
-    position starts[k]. vocab_size, eos_id and tokenizer (a spec for load_tokenizer) come from
-    `manifest` where the format has one, else None; max_token_id is recorded, or found by a scan.
-    """
+    """A token stream of memory-mapped files: files (non-empty), tokens[k] (files[k]'s, read-only)
+    from stream position starts[k]; vocab_size, eos_id and tokenizer from `manifest`, else None."""
 
     def __init__(self, path, files, dtype, max_token_id=None, manifest=None):
         self.path, self.dtype, m = Path(path), np.dtype(dtype), manifest or {}
-        self.vocab_size, self.eos_id, self.tokenizer = map(m.get, ("vocab_size", "eos_id",
-                                                                   "tokenizer"))
-        _raise_open_file_limit(len(files))
-        self.files, self.tokens = [], []
+        self.vocab_size, self.eos_id, self.tokenizer = (m.get(k) for k in ("vocab_size", "eos_id",
+                                                                           "tokenizer"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # each memory map holds a file
+        if 0 <= hard < (need := len(files) + 256):  # descriptor: thousands > 1024 (-1: no limit)
+            raise DataError(f"{len(files)} token files need {need} open files, but the limit is "
+                            f"{hard}; raise `ulimit -n`")
+        if 0 <= soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
         for f in map(Path, files):
-            size = f.stat().st_size
-            if size % self.dtype.itemsize:
+            if (size := f.stat().st_size) % self.dtype.itemsize:
                 raise DataError(f"{f}: expected a whole number of {self.dtype.name} tokens "
                                 f"({self.dtype.itemsize} bytes each), found {size} bytes; wrong "
                                 "--data-dtype, or a truncated file?")
-            if size:  # np.memmap refuses empty files, and they hold no tokens anyway
-                self.files.append(f)
-                # a plain ndarray view: slicing it is several times cheaper than slicing a memmap
-                self.tokens.append(np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray))
+        self.files = [f for f in map(Path, files) if f.stat().st_size]  # (memmap refuses empty)
+        # plain ndarray views: slicing one is several times cheaper than slicing a memmap
+        self.tokens = [np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray)
+                       for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
-        self.num_tokens = int(self.starts[-1])
-        if self.num_tokens == 0:
-            raise DataError(f"{self.path}: expected token data, found no tokens (empty files only)")
-        # A recorded id range is trusted at first, so that a run starts at once; check_on_read
-        # then has each file checked at its first read. A raw source is scanned instead.
+        self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
+        # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
+        # has each file checked at its first read. A raw source is scanned instead.
         self.recorded = max_token_id is not None
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
-    def id_range(self) -> tuple:
-        """(smallest, largest) token id."""
-        if self._range is None:
-            self._range = (int(min(t.min() for t in self.tokens)),
-                           int(max(t.max() for t in self.tokens)))
+    def id_range(self) -> tuple:  # (smallest, largest) token id
+        self._range = self._range or (int(min((t.min() for t in self.tokens), default=0)),
+                                      int(max((t.max() for t in self.tokens), default=0)))
         return self._range
 
     @property
     def max_token_id(self) -> int:
         return self.id_range()[1]
 
-    def check_on_read(self, vocab_size: int):
-        """Check each file's ids against [0, vocab_size) the first time it is read."""
-        self._vocab, self.unchecked = vocab_size, set(range(len(self.files)))
+    def check_vocab(self, vocab_size: int):
+        """Refuse token ids outside [0, vocab_size): the recorded range now, and each file again at
+        its first read (a shard edited after prepare.py keeps its size)."""
+        lo, hi = self.id_range()
+        if lo < 0 or hi >= vocab_size:
+            theirs = f" (its tokenizer has {self.vocab_size} ids)" if self.vocab_size else ""
+            raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}), the model's "
+                            f"vocabulary, found {hi if hi >= vocab_size else lo}{theirs}; use a "
+                            "model with a larger vocabulary or data made with its tokenizer")
+        self._vocab, self.unchecked = vocab_size, set(range(len(self.files) * self.recorded))
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
-        pieces, k = [], int(self.starts.searchsorted(start, "right")) - 1
-        while n > 0:  # from one file on into the next
-            lo = start - int(self.starts[k])
-            pieces.append(self.tokens[k][lo : lo + n])
-            start, n, k = start + len(pieces[-1]), n - len(pieces[-1]), k + 1
+        a, b = self.starts.searchsorted(start, "right") - 1, self.starts.searchsorted(start + n)
+        pieces = [t[max(start - s, 0) : start + n - s]  # of files a .. b - 1
+                  for t, s in zip(self.tokens[a:b], self.starts[a:b].tolist())]
         return pieces[0] if len(pieces) == 1 else np.concatenate([np.empty(0, self.dtype), *pieces])
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
-        """The tokens of windows `ids`, a (len(ids), seq_len + 1) array (see the module doc) in the
-        source dtype, or written into `out`, a C-contiguous array of any dtype (Batches passes
-        int64: the conversion happens in the same pass as the copy)."""
+        """Windows `ids` (see the module doc), (len(ids), seq_len + 1), in the source dtype or
+        written into `out` (C-contiguous, any dtype: Batches's int64 is converted as it copies)."""
         ids, n = np.asarray(ids), seq_len + 1
         if self.unchecked:
             self._check(ids, seq_len)
+        out = np.empty((len(ids), n), self.dtype) if out is None else out
         if len(self.tokens) == 1:  # the windows as overlapping rows of the file: one gather
             if seq_len not in self._rows:  # (a view, but 30 us to make: once)
                 self._rows[seq_len] = sliding_window_view(self.tokens[0], n)[::seq_len]
-            if out is None:
-                return self._rows[seq_len][ids]
             out[...] = self._rows[seq_len][ids]
             return out
         begin = ids.astype(np.int64) * seq_len  # (int64: uint32 ids would wrap past 2**32 tokens)
         first = self.starts.searchsorted(begin, "right") - 1  # the file each window starts in
         pieces = []  # one concatenate of all the windows' pieces, not a Python setitem each
         for lo, k in zip((begin - self.starts[first]).tolist(), first.tolist()):
-            pieces.append(piece := self.tokens[k][lo : lo + n])
-            h = len(piece)
+            h = 0
             while h < n:  # at a file's end the window runs on into the next file(s)
-                k += 1
-                pieces.append(piece := self.tokens[k][: n - h])
-                h += len(piece)
-        out = np.empty((len(ids), n), self.dtype) if out is None else out
+                pieces.append(piece := self.tokens[k][lo : lo + n - h])
+                h, k, lo = h + len(piece), k + 1, 0
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
     def _check(self, ids, seq_len):
-        # A shard changed after prepare.py wrote it keeps its size (only `prepare.py verify` would
-        # notice): it must not reach the model as an index error deep in a step. So each file
-        # that these windows touch is checked at its first read.
+        # A shard changed after prepare.py wrote it keeps its size: each file these windows touch
+        # is checked at its first read, so that a bad id is never an index error deep in a step.
         begin = ids.astype(np.int64) * seq_len
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
-        for k in sorted(self.unchecked.intersection(itertools.chain(*map(range, first - 1, last)))):
+        for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):
             tokens, V = self.tokens[k], self._vocab
             if tokens.max() >= V or tokens.min() < 0:
                 i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
-                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} (byte "
-                                f"{i * self.dtype.itemsize}) is outside [0, {V}) of the model's "
-                                "vocabulary, although the manifest says otherwise: was the file "
-                                "changed after prepare.py wrote it? `python prepare.py verify "
+                raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
+                                f"outside [0, {V}), though the manifest says otherwise: changed "
+                                "since prepare.py wrote it? `python prepare.py verify "
                                 f"{self.path}` checks every shard")
             self.unchecked.discard(k)
 
 
-def _raise_open_file_limit(n_files: int):
-    # Every memory map holds a file descriptor: thousands of shards need more than the usual 1024.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need, inf = n_files + 256, resource.RLIM_INFINITY
-    if hard != inf and hard < need:
-        raise DataError(f"{n_files} token files need {need} open files, but the limit is {hard}; "
-                        "raise `ulimit -n`")
-    if soft != inf and soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-
-
-def check_vocab(source: TokenSource, vocab_size: int):
-    """Refuse a `source` with token ids outside [0, vocab_size): its recorded range now, and each
-    file again at its first read (a shard edited after prepare.py keeps its size)."""
-    lo, hi = source.id_range()
-    if lo < 0 or hi >= vocab_size:
-        theirs = f" (the data's tokenizer has {source.vocab_size} ids)" if source.vocab_size else ""
-        raise DataError(f"{source.path}: expected token ids in [0, {vocab_size}) for a model with "
-                        f"vocab_size {vocab_size}, found {hi if hi >= vocab_size else lo}{theirs}; "
-                        "use a model with a larger vocabulary or data made with its tokenizer")
-    if source.recorded:
-        source.check_on_read(vocab_size)
-
-
-# -----------------------------------------------------------------------------
-# the formats. An opener takes (path, split, dtype or None) and returns a TokenSource, or None when
-# the path is not of its format: a new format is one opener and one line in FORMAT_OPENERS.
+check_vocab = TokenSource.check_vocab  # check_vocab(source, vocab_size)
 
 
 def read_manifest(directory) -> dict:
-    """Read and check `directory/manifest.json`, whose layout is
-    {"format", "version", "dtype", "vocab_size", "eos_id", "tokenizer": spec,
-     "splits": {name: {"tokens", "documents", "max_token_id", "shards": [{"file",
-     "tokens", "documents", "max_token_id", "sha256"}, ...]}}, "stats": {...}}"""
+    """Read `directory/manifest.json`, every field checked (see MANIFEST_FIELDS)."""
     path = Path(directory) / MANIFEST
     try:
         m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found; a prepare.py directory is valid only once its "
-                        "manifest is written") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: expected a JSON manifest, found unreadable content "
-                        f"({e})") from None
+        raise DataError(f"{path}: expected a JSON manifest (prepare.py writes it last), found "
+                        f"{'none' if isinstance(e, FileNotFoundError) else e}") from None
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         found = m.get("format") if isinstance(m, dict) else type(m).__name__
         raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
@@ -431,10 +370,8 @@ def read_manifest(directory) -> dict:
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
         # a split's totals are what readers trust (max_token_id: the vocabulary check)
         for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
-            found = total([0] + [shard[key] for shard in split["shards"]])
-            if split[key] != found:
-                raise DataError(f"{path}: split {name!r} says {key} {split[key]}, but its shards "
-                                f"say {found}")
+            if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
+                raise DataError(f"{path}: split {name!r} has {key} {split[key]}, shards {found}")
     return m
 
 
@@ -453,37 +390,33 @@ def _prepared(p, split, dtype):
     if not (p / MANIFEST).is_file():
         return None
     m = read_manifest(p)
-    s = m["splits"].get(split)
-    if s is None or s["tokens"] == 0:
+    if (s := m["splits"].get(split)) is None or s["tokens"] == 0:
         have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
         raise NoSplit(f"{p}: expected a {split!r} split, found only {have} (prepared with "
                       "--val-fraction 0?)")
     files = [p / shard["file"] for shard in s["shards"]]
     for f, shard in zip(files, s["shards"]):  # the sizes the manifest promises, before mapping
-        want = shard["tokens"] * np.dtype(m["dtype"]).itemsize
         if not f.exists():
             raise DataError(f"{f}: listed in {MANIFEST} but missing")
-        if f.stat().st_size != want:
+        if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(m["dtype"]).itemsize):
             raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
-                            f"per {MANIFEST}), found {f.stat().st_size}; run `python prepare.py "
-                            f"verify {p}`")
+                            f"per {MANIFEST}), found {size}; run `python prepare.py verify {p}`")
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
+
+
+def _shard_dir(p, split, dtype):
+    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
+    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
+    return TokenSource(p, shards, dtype or np.uint16) if shards else None
 
 
 def _nanogpt_dir(p, split, dtype):
     if not p.is_dir() or not ((p / "train.bin").exists() or (p / "val.bin").exists()):
         return None
-    f = p / f"{split}.bin"
-    if not f.exists():
+    if not (f := p / f"{split}.bin").exists():
         raise NoSplit(f"{p}: expected {split}.bin in this nanoGPT data directory, found "
                       f"{_listing(p)}")
     return TokenSource(f, [f], dtype or np.uint16)
-
-
-def _shard_dir(p, dtype):
-    number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
-    shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    return TokenSource(p, shards, dtype or np.uint16) if shards else None
 
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -491,7 +424,7 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences S, D = docs + 1
 
 
-def _megatron(p, dtype):
+def _megatron(p, split, dtype):
     # PREFIX.idx: the header, int32 lengths[S], int64 byte pointers[S], int64 document starts[D],
     # 34 + 12 S + 8 D bytes in all; PREFIX.bin: the sequences' tokens back to back
     prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
@@ -504,13 +437,11 @@ def _megatron(p, dtype):
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
     for ok, want, found in [
-            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}; not a Megatron "
-             "index"),
-            (version == 1, "version 1", version),
-            (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)} (integer tokens)",
-             code),
-            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes (34 + 12 x {S} sequences + 8 "
-             f"x {D} document boundaries)", size)]:
+            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}, not a Megatron "
+             "index"), (version == 1, "version 1", version),
+            (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)}", code),
+            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} "
+             "document boundaries", size)]:
         if not ok:
             raise DataError(f"{idx}: expected {want}, found {found}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
@@ -521,45 +452,37 @@ def _megatron(p, dtype):
     if (bad := (pointers != expect) | (lengths < 0)).any():
         i = int(np.argmax(bad))
         raise DataError(f"{idx}: expected increasing pointers, each sequence right after the one "
-                        f"before: sequence {i} (length {lengths[i]}) at byte {expect[i]}, found "
-                        f"{pointers[i]}")
+                        f"before: sequence {i} at byte {expect[i]}, found {pointers[i]}")
     if D < 1 or docs[0] != 0 or docs[-1] != S or (np.diff(docs) < 0).any():
         raise DataError(f"{idx}: expected document boundaries rising from 0 to {S} (the sequence "
                         f"count), found {docs[:3].tolist()}...{docs[-3:].tolist()}")
-    want, have = int(lengths.sum()) * token.itemsize, binf.stat().st_size
-    if have != want:
-        what = "truncated" if have < want else "longer than its index says"
+    if (have := binf.stat().st_size) != (want := int(lengths.sum()) * token.itemsize):
         raise DataError(f"{binf}: expected {want} bytes ({lengths.sum()} {token.name} tokens per "
-                        f"{idx.name}), found {have}: {what}")
+                        f"{idx.name}), found {have}: {'truncated' if have < want else 'too long'}")
     return TokenSource(prefix, [binf], token)
 
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv",
-                 ".html")
-
-
-def _raw_file(p, dtype):
+def _raw_file(p, split, dtype):
     if not p.is_file():
         return None
     # Trained on as token ids, text would be garbage without a word of warning. Token ids are
     # almost never printable UTF-8: small ids hold zero bytes, large ones bytes that are not UTF-8.
-    with open(p, "rb") as f:
-        head = f.read(1 << 16)
+    head = np.fromfile(p, np.uint8, 1 << 16).tobytes()
     try:
         text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end
     except UnicodeDecodeError:
         text = ""
-    named = p.suffix.lower() in TEXT_SUFFIXES
+    named = p.suffix.lower() in (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv",
+                                 ".tsv", ".html") and f"a {p.suffix} file"
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
-        raise DataError(f"{p}: expected a file of token ids, found "
-                        f"{f'a {p.suffix} file' if named else 'UTF-8 text'}, which holds text, not "
-                        f"tokens; turn it into shards with `python prepare.py {p} --out-dir DIR` "
-                        "and pass --data DIR")
+        raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
+                        f"holds text: `python prepare.py {p} --out-dir DIR` makes it --data DIR")
     return TokenSource(p, [p], dtype or np.uint16)
 
 
-# (what it is, its opener, whether it has splits), in the order open_tokens tries them. An opener
-# of one stream, the train split, takes (path, dtype): open_tokens refuses another split for it.
+# An opener takes (path, split, dtype or None) and returns a TokenSource, or None when the path is
+# not of its format: a new format is one opener and one line here, (what it is, its opener, whether
+# it has splits; if not, it is one stream: the train split), in the order open_tokens tries them.
 FORMAT_OPENERS = [
     ("a prepare.py directory (manifest.json)", _prepared, True),
     ("a directory of shard_*.bin files", _shard_dir, False),
@@ -571,40 +494,34 @@ FORMATS = ", ".join(what for what, *_ in FORMAT_OPENERS[:-1]) + ", or " + FORMAT
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Open a token stream of one of the FORMATS, its split `split` (train or val) where it has
-    splits. `dtype` is for formats that do not record one (default uint16)."""
+    """Split `split` (train or val) of a stream of the FORMATS; `dtype` where none is recorded."""
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for what, opener, splits in FORMAT_OPENERS:
-        source = opener(p, split, want) if splits else opener(p, want)
-        if source is None:
+        if (source := opener(p, split, want)) is None:
             continue
         if not splits and split != "train":
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
                           "(the train split); give the validation data as a separate path")
         if want is not None and source.dtype != want:  # a format that records its dtype
-            raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} asked "
-                            "for")
+            raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} given")
         return source
     if p.is_dir() and any(p.glob("train_*.bin")):
         raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
                         "writes last: an interrupted prepare.py run? Run prepare.py again")
-    if p.is_dir():
-        raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}")
-    raise DataError(f"{p}: no such file or directory; expected {FORMATS}")
+    raise DataError(f"{p}: expected {FORMATS}; found {_listing(p)}" if p.is_dir() else
+                    f"{p}: no such file or directory; expected {FORMATS}")
 
 
-def _listing(p, limit=8):
+def _listing(p):
     names = sorted(x.name for x in p.iterdir())
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more if names else "an empty directory"
+    return ", ".join(names[:8]) + f" and {len(names) - 8} more" * (len(names) > 8) or "no files"
 
 
 def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
-    """train.py's --data: specs are paths, or PATH:WEIGHT to blend several (or ["synthetic"]:
-    random tokens in a file under tmpdir, the only way random data is ever used). Returns (train
-    sources, weights or None, the first path's val source or None, vocab_size), every source checked
-    against the vocabulary (by default the first source's, else GPT-2's 50257)."""
+    """train.py's --data: paths, or PATH:WEIGHT to blend several, or ["synthetic"] (random tokens
+    in a file under tmpdir). Returns (train sources, weights or None, the first path's val source or
+    None, vocab_size: by default the first source's, else GPT-2's), each source checked on it."""
     if list(specs) == ["synthetic"]:
         vocab, path = vocab_size or 50257, Path(tmpdir) / "synthetic.bin"
         np.random.default_rng(seed).integers(0, vocab, 1 << 22).astype(np.uint32).tofile(path)
@@ -627,12 +544,10 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     for path, source in zip(paths[1:], sources[1:]):
         if first and source.tokenizer and source.tokenizer != first:
             raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, "
-                            f"{paths[0]} with {first}: the same ids would mean other things; blend "
-                            "data made with one tokenizer")
-    try:
+                            f"{paths[0]} with {first}: blend data made with one tokenizer")
+    val = None
+    with contextlib.suppress(NoSplit):
         val = open_tokens(paths[0], "val", dtype)
-    except NoSplit:
-        val = None
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources + [val] * (val is not None):
         check_vocab(source, vocab)
@@ -645,13 +560,12 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 @dataclasses.dataclass
 class BatchConfig:
-    """How the token streams are cut into micro-batches. seq_len, global_batch (the sequences of
-    one optimizer step over all ranks, a multiple of micro_batch * world_size; default one
-    micro-batch per rank) and seed define the sample sequence; micro_batch, rank and world_size
-    only which part of it this process takes, so a resume may change them."""
+    """seq_len, global_batch (sequences a step on all ranks, a multiple of micro_batch * world_size;
+    default one micro-batch per rank) and seed define the sample sequence; micro_batch, rank and
+    world_size only which part this process takes (a resume may change them)."""
     seq_len: int
     micro_batch: int
-    global_batch: Optional[int] = None
+    global_batch: int | None = None
     seed: int = 0
     rank: int = 0
     world_size: int = 1
@@ -660,35 +574,27 @@ class BatchConfig:
 
 
 class Batches:
-    """The endless sequence of this rank's micro-batches (see the module doc): (x, y) for each
-    micro-step of each optimizer step in turn, int64 (micro_batch, seq_len) tensors, y[:, j] ==
-    x[:, j + 1], both views of one buffer (one copy, one transfer to a GPU). Several sources are
-    blended by `weights` (default equal). A state saved with another world_size or micro_batch
-    loads (elastic resume); one with another global_batch, seq_len, seed or blend is refused."""
+    """This rank's endless micro-batches (see the module doc): (x, y) int64 (micro_batch, seq_len)
+    views of one buffer, of `sources` blended by `weights`. A resume (load_state_dict) may change
+    world_size and micro_batch (elastic), never global_batch, seq_len, seed or the blend."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
-        import torch
-
         self.sources = [sources] if isinstance(sources, TokenSource) else list(sources)
         B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
         G = cfg.global_batch or B * world
         self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
         if not 0 <= cfg.rank < world:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found rank "
-                            f"{cfg.rank}")
+            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found {cfg.rank}")
         if G % (B * world):
             good = max(1, round(G / (B * world))) * B * world
-            raise DataError(
-                f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len {L}) is not "
-                f"a multiple of micro_batch {B} (--batch-size) x world_size {world} = {B * world}; "
-                f"pick sizes where it is, for example --total-batch-size {good * L} ({good} "
-                "sequences)")
+            raise DataError(f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len "
+                            f"{L}) is not a multiple of micro_batch {B} (--batch-size) x "
+                            f"world_size {world} = {B * world}; pick sizes where it is, for "
+                            f"example --total-batch-size {good * L} ({good} sequences)")
         self.accum_steps = G // (B * world)
-        self._num_windows = [(s.num_tokens - 1) // L for s in self.sources]
-        for s, n in zip(self.sources, self._num_windows):
-            if n < 1:
-                raise DataError(f"{s.path}: expected at least seq_len + 1 = {L + 1} tokens, "
-                                f"found {s.num_tokens}")
+        if short := [s for s in self.sources if s.num_tokens <= L]:
+            raise DataError(f"{short[0].path}: expected at least seq_len + 1 = {L + 1} tokens, "
+                            f"found {short[0].num_tokens}")
         ws = [Fraction(str(w)) for w in weights or [1] * len(self.sources)]  # "0.7": 7/10 exactly
         if len(ws) != len(self.sources) or min(ws) <= 0:
             raise DataError(f"blend weights: expected {len(self.sources)} positive weights, one "
@@ -696,47 +602,36 @@ class Batches:
         self.weights = [w / sum(ws) for w in ws]
         D = math.lcm(*(w.denominator for w in self.weights))
         self._shares = [int(w * D) for w in self.weights], D  # weight k == a[k] / D exactly
-        self.device = torch.device(cfg.device)
-        # the state: global samples consumed by all ranks together, and how many from each source
-        self._consumed, self._counts = 0, (0,) * len(self.sources)
-        self._orders = [{} for _ in self.sources]  # per source: epoch -> window order (two kept)
+        self._consumed, self._counts = 0, (0,) * len(self.sources)  # the state: all ranks' samples
+        self._orders = [(None, None)] * len(self.sources)  # per source: (epoch, its window order)
         self._pool, self._ahead = ThreadPoolExecutor(1) if cfg.prefetch else None, None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._pool is None:
-            x, y, self._consumed, self._counts = self._build(self._consumed, self._counts)
-            return x, y
-        ahead = self._ahead or self._pool.submit(self._build, self._consumed, self._counts)
-        self._ahead = None  # after an error, the next call starts again from the caller's state
-        # each build returns the state after it: the caller's state is what it has taken
-        x, y, self._consumed, self._counts = ahead.result()
-        self._ahead = self._pool.submit(self._build, self._consumed, self._counts)
+        ahead, self._ahead = self._ahead, None  # (after an error, the next call starts afresh)
+        x, y, *state = ahead.result() if ahead else self._build(self._consumed, self._counts)
+        self._consumed, self._counts = state  # a build returns the state after it: what was taken
+        if self._pool is not None:
+            self._ahead = self._pool.submit(self._build, *state)
         return x, y
 
-    def state_dict(self) -> dict:
-        return {"consumed": self._consumed, "source_consumed": list(self._counts),
-                **self._settings()}
-
-    def _settings(self):
-        # what defines the sample sequence: a resume must keep all of it (plain ints: JSON)
+    def state_dict(self) -> dict:  # the position, then what defines the sample sequence
         c = self.cfg
-        return {"global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
+        return {"consumed": self._consumed, "source_consumed": list(self._counts),
+                "global_batch": int(c.global_batch), "seq_len": int(c.seq_len),
                 "seed": int(c.seed), "weights": [str(w) for w in self.weights]}
 
     def load_state_dict(self, state: dict):
-        for key, mine in self._settings().items():
+        for key, mine in list(self.state_dict().items())[2:]:  # a resume must keep all of those
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
-                                f"has {key} = {mine}; the sample sequence depends on it, so a "
-                                "resume must keep it (or start a fresh run)")
+                                f"has {key} = {mine}: a resume must keep it, or start a fresh run")
         consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
         if (consumed % self.cfg.global_batch) % step:
             raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
-                            "an optimizer step, which is not a whole number of micro_batch x "
-                            f"world_size = {step} samples; resume from a step boundary")
+                            f"a step, not a whole number of micro_batch x world_size = {step}")
         self.close()
         self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
 
@@ -748,9 +643,8 @@ class Batches:
     def _build(self, consumed, counts):
         """(x, y, the state after this micro-step of all ranks): a pure function of the state."""
         import torch
-
         B, L, n = self.cfg.micro_batch, self.cfg.seq_len, self.cfg.micro_batch * self.cfg.world_size
-        cuda = self.device.type == "cuda"  # pinned memory, so that the copy can be asynchronous
+        cuda = str(self.cfg.device).startswith("cuda")  # pinned: the copy can be asynchronous
         g = np.empty((B, L + 1), np.int64) if not cuda else torch.empty(
             (B, L + 1), dtype=torch.int64, pin_memory=True).numpy()
         lo = self.cfg.rank * B  # this rank's slice of the micro-step
@@ -764,45 +658,39 @@ class Batches:
                 g[rows] = self.sources[k].windows(self._window_ids(k, first[rows[0]], len(rows)), L)
         # x and y are views of the one buffer, offset by a token: one copy, one transfer
         if cuda:
-            g = torch.from_numpy(g).to(self.device, non_blocking=True)
+            g = torch.from_numpy(g).to(self.cfg.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + n, counts
         # (slicing in NumPy, then wrapping, costs a third of slicing a tensor: 15 us a batch)
         return torch.from_numpy(g[:, :-1]), torch.from_numpy(g[:, 1:]), consumed + n, counts
 
     def _window_ids(self, k, first, n):  # of source k's samples first .. first + n - 1
-        W = self._num_windows[k]
-        e, p = divmod(first, W)
-        if p + n <= W:
-            return self._order(k, e)[p : p + n]  # the common case: a slice of one epoch's order
-        idx = np.arange(first, first + n)
-        epochs, pos = idx // W, idx % W
-        return np.concatenate([self._order(k, e)[pos[epochs == e]]
-                               for e in np.unique(epochs).tolist()])
+        e, p = divmod(first, (self.sources[k].num_tokens - 1) // self.cfg.seq_len)
+        ids = self._order(k, e)[p : p + n]  # mostly a slice of one epoch's order, else it runs on
+        while len(ids) < n:
+            e, ids = e + 1, np.concatenate([ids, self._order(k, e + 1)[: n - len(ids)]])
+        return ids
 
     def _order(self, k, epoch):  # a permutation of source k's windows from (seed, k, epoch) alone
-        cache = self._orders[k]
-        if epoch not in cache:
-            W = self._num_windows[k]
+        if self._orders[k][0] != epoch:  # (epochs only grow: the last one is all a cache needs)
+            W = (self.sources[k].num_tokens - 1) // self.cfg.seq_len
             order = np.arange(W, dtype=np.uint32 if W < 2**32 else np.int64)  # 4 bytes a window
             np.random.default_rng([self.cfg.seed, k, epoch]).shuffle(order)
-            while len(cache) >= 2:
-                cache.pop(min(cache))
-            cache[epoch] = order
-        return cache[epoch]
+            self._orders[k] = epoch, order
+        return self._orders[k][1]
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """The source and per-source index of samples [lo, lo + B) of the micro-step of n samples at
-    global sample `consumed`, and the per-source counts after it. Earliest deadline first among the
-    sources not ahead of their share, in integers: weight k = a[k] / D, source k is eligible for
-    sample g when c[k] < (g + 1) a[k] / D, its deadline (c[k] + 1) / a[k]. Every prefix is then
-    within one sample of its shares ("largest deficit first" is not: see tests/test_data.py)."""
+    """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at global
+    sample `consumed`, and the counts after. Earliest deadline first among the sources not ahead of
+    their share (weight a[k] / D: eligible for sample g when c[k] < (g + 1) a[k] / D, deadline
+    (c[k] + 1) / a[k]) keeps every prefix within a sample of its shares; "largest deficit first"
+    does not (tests/test_data.py)."""
     a, D = shares
     c = list(counts)
     src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
     for i in range(n):
         g, best = consumed + i, -1
-        for k in range(len(c)):
+        for k in range(len(c)):  # (in integers, cross-multiplied: Fractions cost 8x)
             eligible = c[k] * D < (g + 1) * a[k]
             if eligible and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
                 best = k
@@ -813,20 +701,17 @@ def _blend(consumed, counts, shares, lo, B, n):
 
 
 def val_batches(source, cfg: BatchConfig, num_batches):
-    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... of `source` (B =
-    cfg.micro_batch), as many full batches as exist up to `num_batches`, or one smaller batch when
-    there are fewer windows than B. Batch j goes to rank j % world_size: a rank may get one batch
-    fewer than another, so sum losses and counts across ranks, not per-rank means."""
+    """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... up to `num_batches`
+    full ones (or one smaller one when there are fewer windows than B). Batch j goes to rank j %
+    world_size: a rank may get one fewer, so sum losses and counts across ranks, not means."""
     import torch
-
     B, L = cfg.micro_batch, cfg.seq_len
-    windows = (source.num_tokens - 1) // L
-    if windows < 1:
+    if (windows := (source.num_tokens - 1) // L) < 1:
         raise DataError(f"{source.path}: expected at least seq_len + 1 = {L + 1} validation "
                         f"tokens, found {source.num_tokens}")
     n = min(num_batches * B, windows)
     bounds = [(j * B, (j + 1) * B) for j in range(n // B)] or [(0, n)]
-    pin = torch.device(cfg.device).type == "cuda"
+    pin = str(cfg.device).startswith("cuda")
     for j in range(cfg.rank, len(bounds), cfg.world_size):
         g = torch.from_numpy(source.windows(np.arange(*bounds[j]), L).astype(np.int64))
         g = (g.pin_memory() if pin else g).to(cfg.device, non_blocking=pin)
