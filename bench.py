@@ -215,15 +215,14 @@ def copy_windows(pieces, B, L):
     return g
 
 
-def bench_loaders(path, files, L, B, reps, per_call):
+def bench_loaders(path, L, B, reps, per_call):
     """Seconds per batch of each loader on the stream at `path`; the token-id check's once-cost."""
-    shards = [np.memmap(f, dtype=np.uint16, mode="r").view(np.ndarray) for f in files]
-    starts = [0] + np.cumsum([len(s) for s in shards]).tolist()
     source = D.open_tokens(path)
-    # Touch every page through both sets of maps, so that all contenders run in the steady state
-    # (first touches of a fresh map cost a page fault each, whoever makes them).
-    assert max(int(s.max()) for s in shards) == source.max_token_id
-    W = (starts[-1] - 1) // L
+    shards, starts = source.tokens, source.starts  # every contender reads these same maps
+    # Touch every page, so that all contenders run in the steady state (first touches of a fresh
+    # map cost a page fault each, whoever makes them).
+    source.id_range()
+    W = (source.num_tokens - 1) // L
     n = min(W // B, (reps + 2) * per_call)
 
     def contender(seed, batch_fn, prepare=lambda ids: (ids * L).tolist()):  # window ids -> starts
@@ -233,7 +232,7 @@ def bench_loaders(path, files, L, B, reps, per_call):
         batches = itertools.cycle([prepare(b) for b in ids])
         return lambda: batch_fn(next(batches))
     # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
-    if len(files) == 1:  # one file: one strided gather of all the rows, then the conversion
+    if len(shards) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = np.lib.stride_tricks.as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
         limit = contender(1, lambda ids: view[ids].astype(np.int64), lambda ids: ids)
     else:  # many files: one slice copy per piece of a window, converting as it copies
@@ -246,8 +245,8 @@ def bench_loaders(path, files, L, B, reps, per_call):
     loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))  # each batch dropped, as in training
     times = time_interleaved({"limit": limit, "data.Batches": lambda: next(loader)}, reps,
                              n=per_call)
-    if len(files) == 1:  # the slow baseline in a group of its own: its garbage would land on others
-        slow = contender(4, lambda starts: nanogpt_get_batch(files[0], starts, L))
+    if len(shards) == 1:  # the slow baseline in a group of its own: its garbage would land on others
+        slow = contender(4, lambda starts: nanogpt_get_batch(source.files[0], starts, L))
         times |= time_interleaved({"nanoGPT get_batch": slow}, max(3, reps // 10), n=per_call)
     return times, check
 
@@ -310,10 +309,10 @@ def data(
         files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
         for k, f in enumerate(files):
             stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
-        streams = {f"one {tokens / 1e6:g}M-token file": (one, [one]),
-                   f"{len(files):,} files of {shard_tokens:,} tokens": (shards, files)}
-        for label, (path, files) in streams.items():
-            t, check = bench_loaders(path, files, L, B, reps, per_call)
+        streams = {f"one {tokens / 1e6:g}M-token file": one,
+                   f"{len(files):,} files of {shard_tokens:,} tokens": shards}
+        for label, path in streams.items():
+            t, check = bench_loaders(path, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
             rows += [[label if name == "limit" else "", name, f"{B * L / t[name] / 1e6:,.0f}",
                       f"{t[name] * 1e6:,.0f}", f"{t['limit'] / t[name]:.2f}x"] for name in t]
@@ -556,14 +555,11 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
         print("go", file=child.stdin, flush=True)
     timer = threading.Timer(max(0.0, deadline - time.monotonic()), child.kill)
     timer.start()
-    try:
-        for line in child.stdout:
-            if line.startswith("BENCH "):
-                return json.loads(line[6:])
-    finally:
-        timer.cancel()
-    child.kill()
-    code = child.wait()
+    said = next((line for line in child.stdout if line.startswith("BENCH ")), None)
+    timer.cancel()
+    if said:
+        return json.loads(said[6:])
+    code = child.wait()  # its stdout ended: it exited, or the timer killed it
     child.log.seek(0)
     why = "ran past the time budget" if code == -9 else f"exited with {code}"
     return {"error": f"the training run {why}:\n{child.log.read()[-2000:]}"}
