@@ -21,7 +21,6 @@ import time
 import types
 from pathlib import Path
 from typing import List, Literal, Optional
-from unittest import mock
 
 import numpy as np
 import torch
@@ -245,7 +244,7 @@ def bench_loaders(path, L, B, reps, per_call):
     loader = D.Batches(source, D.BatchConfig(L, B, B, seed=0))  # each batch dropped, as in training
     times = time_interleaved({"limit": limit, "data.Batches": lambda: next(loader)}, reps,
                              n=per_call)
-    if len(shards) == 1:  # the slow baseline in a group of its own: its garbage would land on others
+    if len(shards) == 1:  # the slow one in a group of its own: its garbage would land on others
         slow = contender(4, lambda starts: nanogpt_get_batch(source.files[0], starts, L))
         times |= time_interleaved({"nanoGPT get_batch": slow}, max(3, reps // 10), n=per_call)
     return times, check
@@ -454,11 +453,6 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H10
                    "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
 
 
-def scan_impl(impl: str):
-    """`with scan_impl(impl):` the scan's path inside, by MAMBA3_IMPL (it overrides impl="auto")."""
-    return mock.patch.dict(os.environ, {"MAMBA3_IMPL": impl})
-
-
 def check_official(official: Optional[Path]):
     if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
         raise ValueError(f"--official {official} is not a checkout of state-spaces/mamba with "
@@ -497,10 +491,10 @@ def forward_backward(module, u, dy, impl=None, dtype="bf16", reset=None):
     """One forward and backward of module on u (a leaf) on scan path impl, in autocast to dtype."""
     module.zero_grad(set_to_none=True)
     u.grad = None
-    with scan_impl(impl or ""):  # MAMBA3_IMPL "" is as unset
-        with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
-            y = module(u) if reset is None else module(u, reset=reset)
-        y.backward(dy)
+    kw = {k: v for k, v in [("impl", impl), ("reset", reset)] if v is not None}  # (official: none)
+    with torch.autocast(u.device.type, dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
+        y = module(u, **kw)
+    y.backward(dy)
     return y
 
 

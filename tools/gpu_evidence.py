@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 import kernels as K  # noqa: E402
 import train  # noqa: E402
 from bench import TORCH_DTYPE, DType, check_official, console, machine, print_table  # noqa: E402
-from bench import official_layer, official_package, scan_impl  # noqa: E402
+from bench import official_layer, official_package  # noqa: E402
 from data import cli_errors  # noqa: E402
 from model import PRESETS, Mamba3LM, Mamba3Mixer, ModelConfig  # noqa: E402
 
@@ -414,10 +414,10 @@ def capture_launches(batch_size=1, seq_len=128, heads=32, dtype="bf16", resets=F
     if resets:
         reset = torch.zeros(batch_size, seq_len, dtype=torch.bool)
         reset[:, 5::50] = True
-    with recording_launches() as launches, scan_impl("triton"), warnings.catch_warnings():
+    with recording_launches() as launches, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CPU autocast's notes on mixed-dtype rms_norm
         with torch.autocast("cpu", dtype=TORCH_DTYPE[dtype], enabled=dtype != "fp32"):
-            y = mixer(u, reset=reset)
+            y = mixer(u, reset=reset, impl="triton")
         y.backward(torch.randn_like(y))
     config = dtype + ("+resets" if resets else "") + (f" R={mimo_rank}" if mimo_rank > 1 else "")
     return [dict(launch, config=config) for launch in launches]
