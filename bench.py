@@ -472,11 +472,6 @@ def official_layer(Mamba3, cfg, **kwargs):
                   ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, **kwargs)
 
 
-def rel_err(a, ref) -> float:
-    err, scale = (a.double() - ref.double()).abs().max().item(), ref.double().abs().max().item()
-    return err / scale if scale > 0 else err
-
-
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
     """The compulsory HBM bytes of the layer's region (in_proj's output to out_proj's input): each
     pass reads its inputs and writes its outputs once, the fp32 parameters and gradients too."""
@@ -506,6 +501,9 @@ def check_layer(mixer, u, dy, dtype: str = "bf16", reset=None) -> list:
         x = u.detach().requires_grad_()
         y = forward_backward(mixer, x, dy, impl, dtype, reset)
         return {"y": y.detach(), "u": x.grad} | {n: p.grad for n, p in mixer.named_parameters()}
+    def rel_err(a, ref) -> float:  # max |a - ref| / max |ref|
+        err, scale = (a.double() - ref.double()).abs().max().item(), ref.double().abs().max().item()
+        return err / scale if scale > 0 else err
     ref, ours = outputs("torch", "fp32"), outputs("triton", dtype)
     low = outputs("torch", dtype) if dtype != "fp32" else None  # the torch path in bf16
     rows = []
@@ -553,7 +551,8 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
     timer.cancel()
     if said:
         return json.loads(said[6:])
-    code = child.wait()  # its stdout ended: it exited, or the timer killed it
+    child.kill()  # its stdout ended: should it linger on, it goes now
+    code = child.wait()
     child.log.seek(0)
     why = "ran past the time budget" if code == -9 else f"exited with {code}"
     return {"error": f"the training run {why}:\n{child.log.read()[-2000:]}"}
