@@ -136,8 +136,6 @@ def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
                                                              "hbm_bytes_per_s"}
 
 
-
-
 CHILD = """
 import json, sys, time
 print("noise", flush=True)
