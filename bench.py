@@ -4,7 +4,7 @@
     python bench.py all       # those four; gpu (on a CUDA GPU): the Triton layer, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
-contender alike. `bench.py compile|traffic|memory` run tools/gpu_evidence.py (no GPU needed).
+contender alike. The GPU evidence that needs no GPU is tools/gpu_evidence.py's.
 """
 import dataclasses
 import enum
@@ -726,8 +726,9 @@ def gpu(
     if out["failed"]:
         raise typer.Exit(1)
 
+
 # -----------------------------------------------------------------------------
-# bench.py all, and the evidence that needs no GPU (tools/gpu_evidence.py)
+# bench.py all
 
 
 @app.command("all")
@@ -737,15 +738,6 @@ def all_():
     for name in ("kernels", "data", "ckpt", "train"):
         commands[name].callback(**{p.name: p.default for p in commands[name].params})
 
-
-# `bench.py compile ARGS` runs `python tools/gpu_evidence.py compile ARGS` (so traffic and memory)
-passed_on = dict(allow_extra_args=True, ignore_unknown_options=True, help_option_names=[])
-for tool in ("compile", "traffic", "memory"):
-    @app.command(tool, help=f"python tools/gpu_evidence.py {tool}: see its --help.",
-                 context_settings=passed_on)
-    def run(ctx: typer.Context):
-        script = [sys.executable, str(ROOT / "tools" / "gpu_evidence.py"), ctx.info_name]
-        raise typer.Exit(subprocess.run(script + ctx.args).returncode)
 
 if __name__ == "__main__":
     app()

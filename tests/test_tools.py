@@ -35,13 +35,6 @@ def test_out_of_range_values_exit_2(args):
     assert result.exit_code == 2 and "Invalid value" in result.output and "Traceback" not in result.output
 
 
-def test_bench_py_runs_the_moved_commands():
-    # `bench.py compile|traffic ARGS` are `tools/gpu_evidence.py compile|traffic ARGS`, flags and exit codes
-    done = subprocess.run([sys.executable, "bench.py", "traffic", "--official", "README.md"], cwd=TOOLS.parent,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--official" in done.stderr and "Traceback" not in done.stderr
-
-
 @pytest.mark.interpreter
 def test_recording_describes_launches_as_the_jit_specializes_them():
     import triton
