@@ -29,6 +29,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -44,11 +45,24 @@ _OBJECT = ("an object", lambda v: isinstance(v, dict))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
                    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
                    "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
-_TOTALS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT}
-SPLIT_FIELDS = {**_TOTALS, "shards": ("a list", lambda v: isinstance(v, list))}
+_TOTALS = {"tokens": sum, "documents": sum, "max_token_id": max}  # a split's, of its shards'
+SPLIT_FIELDS = {**dict.fromkeys(_TOTALS, _COUNT), "shards": ("a list", lambda v: type(v) is list)}
 SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
                          and v.strip(".") != ""),  # a name inside the directory, no path
-                **_TOTALS, "sha256": ("a string", lambda v: isinstance(v, str))}
+                **dict.fromkeys(_TOTALS, _COUNT), "sha256": ("a string", lambda v: type(v) is str)}
+
+
+def split_totals(shards) -> dict:
+    """A split's tokens, documents and max_token_id from its shards' entries (readers trust it)."""
+    return {key: total([0] + [s[key] for s in shards]) for key, total in _TOTALS.items()}
+
+
+def shard_problem(f, shard, dtype):
+    """What is wrong with shard file `f` before it is read (manifest entry `shard`), or None."""
+    if not f.is_file():
+        return f"{f}: listed in {MANIFEST} but missing"
+    if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(dtype).itemsize):
+        return f"{f}: expected {want} bytes ({shard['tokens']} {dtype} tokens), found {size}"
 
 
 class DataError(ValueError):
@@ -159,8 +173,7 @@ EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # l
 
 class ByteTokenizer:
     """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
-    spec = {"name": "byte"}
-    vocab_size, eos_id = 257, 256
+    spec, vocab_size, eos_id = {"name": "byte"}, 257, 256
 
     def encode(self, text):
         return list(text.encode("utf-8", "replace"))
@@ -173,65 +186,56 @@ class ByteTokenizer:
         return raw.decode("utf-8", "replace")
 
 
-class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base), EOS 50,256; a text spelling "<|endoftext|>" is text."""
-    spec = {"name": "gpt2"}
-
-    def __init__(self):
-        import tiktoken
-        try:
-            self._enc = tiktoken.get_encoding("r50k_base")
-        except Exception as e:  # a download failure surfaces as one of many network error types
-            raise DataError(
-                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
-                "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
-                "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
-        self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
-
-    def encode(self, text):
-        return self._enc.encode_ordinary(text)
+@dataclasses.dataclass
+class BPETokenizer:
+    """tiktoken's GPT-2 BPE (r50k_base, EOS 50,256) or a Hugging Face tokenizer.json, wrapped; a
+    special token spelled in a text (say "<|endoftext|>") is plain text to both."""
+    spec: dict
+    encode: Callable
+    decode: Callable
+    eos_id: int
+    vocab_size: int
 
     def encode_array(self, text):
         return np.asarray(self.encode(text), dtype=np.uint32)
 
-    def decode(self, ids):
-        return self._enc.decode(list(ids))
 
-
-class FileTokenizer:
-    """A Hugging Face tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has"""
-
-    def __init__(self, path, spec):
-        from tokenizers import Tokenizer
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
-                            f"cannot load ({e})") from None
-        self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
-        names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        if not (found := [n for n in names if self._tok.token_to_id(n) is not None]):
-            raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
-                            "found none; name the one it has with --eos-token")
-        self.spec, self.eos_id = {**spec, "eos_token": found[0]}, self._tok.token_to_id(found[0])
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_array(self, text):
-        return np.asarray(self.encode(text), dtype=np.uint32)
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+def file_tokenizer(path, spec) -> BPETokenizer:
+    """A tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has."""
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
+                        f"cannot load ({e})") from None
+    tok.encode_special_tokens = True
+    names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
+    if not (found := [n for n in names if tok.token_to_id(n) is not None]):
+        raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
+                        "found none; name the one it has with --eos-token")
+    return BPETokenizer({**spec, "eos_token": found[0]},
+                        lambda text: tok.encode(text, add_special_tokens=False).ids,
+                        lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+                        tok.token_to_id(found[0]), tok.get_vocab_size(with_added_tokens=True))
 
 
 def load_tokenizer(spec: dict, directory=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
     "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory`."""
     name = spec.get("name") if isinstance(spec, dict) else None
-    if name in ("byte", "gpt2"):
-        return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        import tiktoken
+        try:
+            enc = tiktoken.get_encoding("r50k_base")
+        except Exception as e:  # a download failure surfaces as one of many network error types
+            raise DataError(
+                f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
+                "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
+                "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
+        return BPETokenizer({"name": "gpt2"}, enc.encode_ordinary,
+                            lambda ids: enc.decode(list(ids)), enc.eot_token, enc.n_vocab)
     if name != "file":
         raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
     path = Path(directory or ".") / spec["file"]
@@ -240,7 +244,7 @@ def load_tokenizer(spec: dict, directory=None):
     if spec.get("sha256") and sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
                         "found another file")
-    return FileTokenizer(path, spec)
+    return file_tokenizer(path, spec)
 
 
 # -----------------------------------------------------------------------------
@@ -368,9 +372,8 @@ def read_manifest(directory) -> dict:
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        # a split's totals are what readers trust (max_token_id: the vocabulary check)
-        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
-            if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
+        for key, found in split_totals(split["shards"]).items():  # (max_token_id: check_vocab's)
+            if split[key] != found:
                 raise DataError(f"{path}: split {name!r} has {key} {split[key]}, shards {found}")
     return m
 
@@ -396,11 +399,8 @@ def _prepared(p, split, dtype):
                       "--val-fraction 0?)")
     files = [p / shard["file"] for shard in s["shards"]]
     for f, shard in zip(files, s["shards"]):  # the sizes the manifest promises, before mapping
-        if not f.exists():
-            raise DataError(f"{f}: listed in {MANIFEST} but missing")
-        if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(m["dtype"]).itemsize):
-            raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
-                            f"per {MANIFEST}), found {size}; run `python prepare.py verify {p}`")
+        if problem := shard_problem(f, shard, m["dtype"]):
+            raise DataError(f"{problem}; run `python prepare.py verify {p}`")
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 

@@ -42,9 +42,9 @@ import typer
 from rich.progress import Progress
 from typer import Option
 
-from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
-                  cli_errors, fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
-                  sha256, write_atomic)
+from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, cli_errors,
+                  file_tokenizer, fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
+                  sha256, shard_problem, split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -77,7 +77,7 @@ def tokenizer_from_flag(flag: str, eos: Optional[str] = None):
         raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
                         f"{flag!r} (no such file)")
     spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag), "eos_token": eos}
-    return FileTokenizer(Path(flag), spec), Path(flag)
+    return file_tokenizer(Path(flag), spec), Path(flag)
 
 
 # -----------------------------------------------------------------------------
@@ -426,10 +426,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                         "training: give more documents or a smaller --val-fraction (0 for none)")
     if tok_file:
         write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
-    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
-                     "documents": sum(s["documents"] for s in w.shards),
-                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
-                     "shards": w.shards} for name, w in writers.items()}
+    splits = {name: {**split_totals(w.shards), "shards": w.shards} for name, w in writers.items()}
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                 "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "tokenizer": tok.spec, "splits": splits, "stats": {
@@ -462,11 +459,8 @@ def verify(directory) -> list:
         return [str(e)]
     problems, dtype, eos, vocab = [], np.dtype(m["dtype"]), m["eos_id"], m["vocab_size"]
     for s in (x for split in m["splits"].values() for x in split["shards"]):
-        f, want = directory / s["file"], s["tokens"] * dtype.itemsize
-        if (size := f.stat().st_size if f.is_file() else None) != want:
-            problems.append(f"{f}: missing (listed in {MANIFEST})" if size is None else
-                            f"{f}: expected {want} bytes ({s['tokens']} {dtype.name} tokens), "
-                            f"found {size}")
+        if problem := shard_problem(f := directory / s["file"], s, m["dtype"]):
+            problems.append(problem)
             continue
         h, hi, n_eos, last = hashlib.sha256(), 0, 0, None
         with open(f, "rb") as fh:
