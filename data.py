@@ -276,9 +276,7 @@ class TokenSource:
                        for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
         self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
-        # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
-        # has each file checked at its first read. A raw source is scanned instead.
-        self.recorded = max_token_id is not None
+        self.recorded = max_token_id is not None  # trusted, so that a run starts at once
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
@@ -292,8 +290,9 @@ class TokenSource:
         return self.id_range()[1]
 
     def check_vocab(self, vocab_size: int):
-        """Refuse token ids outside [0, vocab_size): the recorded range now, and each file again at
-        its first read (a shard edited after prepare.py keeps its size)."""
+        """Refuse token ids outside [0, vocab_size): a raw source scanned now, a recorded range
+        now and each file again at its first read (a shard edited after prepare.py keeps its size:
+        a bad id is then never an index error deep in a step)."""
         lo, hi = self.id_range()
         if lo < 0 or hi >= vocab_size:
             theirs = f" (its tokenizer has {self.vocab_size} ids)" if self.vocab_size else ""
@@ -334,9 +333,7 @@ class TokenSource:
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _check(self, ids, seq_len):
-        # A shard changed after prepare.py wrote it keeps its size: each file these windows touch
-        # is checked at its first read, so that a bad id is never an index error deep in a step.
+    def _check(self, ids, seq_len):  # check_vocab's first-read check of the files ids touch
         begin = ids.astype(np.int64) * seq_len
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
         for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):

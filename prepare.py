@@ -69,17 +69,6 @@ class Options:
                                       "of .jsonl records.")] = "text"
 
 
-def tokenizer_from_flag(flag: str, eos: Optional[str] = None):
-    """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
-    if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
-        return load_tokenizer({"name": flag}), None
-    if not Path(flag).is_file():
-        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
-                        f"{flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag), "eos_token": eos}
-    return file_tokenizer(Path(flag), spec), Path(flag)
-
-
 # -----------------------------------------------------------------------------
 # inputs: which files, and the documents in them
 
@@ -351,7 +340,13 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
             raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
     out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
-    tok, tok_file = tokenizer_from_flag(tokenizer, o.eos_token)
+    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
+    if tok_file and not tok_file.is_file():
+        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
+                        f"{tokenizer!r} (no such file)")
+    tok = load_tokenizer({"name": tokenizer}) if tok_file is None else file_tokenizer(
+        tok_file, {"name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
+                   "eos_token": o.eos_token})
     # refuse an --out-dir whose replacement would lose something
     if out.exists() and not out.is_dir():
         raise DataError(f"--out-dir {out}: expected a directory, found a file")
