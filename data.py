@@ -358,12 +358,10 @@ def read_manifest(directory) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: expected a JSON manifest (prepare.py writes it last), found "
                         f"{'none' if isinstance(e, FileNotFoundError) else e}") from None
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-        found = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
-    if m.get("version") != MANIFEST_VERSION:
-        raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found "
-                        f"{m.get('version')!r}; a newer prepare.py?")
+    for key, want in (("format", MANIFEST_FORMAT), ("version", MANIFEST_VERSION)):
+        if (found := m.get(key) if isinstance(m, dict) else type(m).__name__) != want:
+            raise DataError(f"{path}: expected {key} {want!r}, found {found!r}"
+                            + "; a newer prepare.py?" * (key == "version"))
     _check_fields(path, m, MANIFEST_FIELDS, "")
     for name, split in m["splits"].items():
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
