@@ -200,28 +200,10 @@ class BPETokenizer:
         return np.asarray(self.encode(text), dtype=np.uint32)
 
 
-def file_tokenizer(path, spec) -> BPETokenizer:
-    """A tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has."""
-    from tokenizers import Tokenizer
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
-                        f"cannot load ({e})") from None
-    tok.encode_special_tokens = True
-    names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-    if not (found := [n for n in names if tok.token_to_id(n) is not None]):
-        raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
-                        "found none; name the one it has with --eos-token")
-    return BPETokenizer({**spec, "eos_token": found[0]},
-                        lambda text: tok.encode(text, add_special_tokens=False).ids,
-                        lambda ids: tok.decode(list(ids), skip_special_tokens=False),
-                        tok.token_to_id(found[0]), tok.get_vocab_size(with_added_tokens=True))
-
-
-def load_tokenizer(spec: dict, directory=None):
+def load_tokenizer(spec: dict, directory=None, path=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
-    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory`."""
+    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (or at
+    `path`); its EOS: spec["eos_token"], else the first of EOS_TOKENS the file has."""
     name = spec.get("name") if isinstance(spec, dict) else None
     if name == "byte":
         return ByteTokenizer()
@@ -238,13 +220,27 @@ def load_tokenizer(spec: dict, directory=None):
                             lambda ids: enc.decode(list(ids)), enc.eot_token, enc.n_vocab)
     if name != "file":
         raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
-    path = Path(directory or ".") / spec["file"]
+    path = Path(path or Path(directory or ".") / spec["file"])
     if not path.is_file():
         raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
     if spec.get("sha256") and sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
                         "found another file")
-    return file_tokenizer(path, spec)
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
+                        f"cannot load ({e})") from None
+    tok.encode_special_tokens = True
+    names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
+    if not (found := [n for n in names if tok.token_to_id(n) is not None]):
+        raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
+                        "found none; name the one it has with --eos-token")
+    return BPETokenizer({**spec, "eos_token": found[0]},
+                        lambda text: tok.encode(text, add_special_tokens=False).ids,
+                        lambda ids: tok.decode(list(ids), skip_special_tokens=False),
+                        tok.token_to_id(found[0]), tok.get_vocab_size(with_added_tokens=True))
 
 
 # -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from rich.progress import Progress
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, cli_errors,
-                  file_tokenizer, fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
+                  fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
                   sha256, shard_problem, split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
@@ -343,9 +343,9 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     if tok_file and not tok_file.is_file():
         raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
                         f"{tokenizer!r} (no such file)")
-    tok = load_tokenizer({"name": tokenizer}) if tok_file is None else file_tokenizer(
-        tok_file, {"name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
-                   "eos_token": o.eos_token})
+    tok = load_tokenizer({"name": tokenizer} if tok_file is None else {
+        "name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
+        "eos_token": o.eos_token}, path=tok_file)
     # refuse an --out-dir whose replacement would lose something
     if out.exists() and not out.is_dir():
         raise DataError(f"--out-dir {out}: expected a directory, found a file")
