@@ -188,8 +188,7 @@ class ByteTokenizer:
 
 @dataclasses.dataclass
 class BPETokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base, EOS 50,256) or a Hugging Face tokenizer.json, wrapped; a
-    special token spelled in a text (say "<|endoftext|>") is plain text to both."""
+    """GPT-2's BPE (tiktoken r50k_base) or a tokenizer.json; "<|endoftext|>" in a text is text."""
     spec: dict
     encode: Callable
     decode: Callable
@@ -428,11 +427,11 @@ def _megatron(p, split, dtype):
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
     for ok, want, found in [
-            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}, not a Megatron "
-             "index"), (version == 1, "version 1", version),
+            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r} of a Megatron index", magic),
+            (version == 1, "version 1", version),
             (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)}", code),
-            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} "
-             "document boundaries", size)]:
+            (size == o + 12 * S + 8 * D,
+             f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} document boundaries", size)]:
         if not ok:
             raise DataError(f"{idx}: expected {want}, found {found}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
