@@ -29,7 +29,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -186,17 +185,30 @@ class ByteTokenizer:
         return raw.decode("utf-8", "replace")
 
 
-@dataclasses.dataclass
 class BPETokenizer:
-    """GPT-2's BPE (tiktoken r50k_base) or a tokenizer.json; "<|endoftext|>" in a text is text."""
-    spec: dict
-    encode: Callable
-    decode: Callable
-    eos_id: int
-    vocab_size: int
+    """GPT-2's BPE (a tiktoken Encoding) or a tokenizer.json (a tokenizers.Tokenizer), as
+    load_tokenizer builds them; "<|endoftext|>" in a text is text. Picklable, as workers need."""
+
+    def __init__(self, spec, bpe, eos_id, vocab_size):
+        self.spec, self._bpe, self.eos_id, self.vocab_size = spec, bpe, eos_id, vocab_size
+        self._file = spec["name"] == "file"
+        if self._file:  # a special token spelled in a text is text
+            bpe.encode_special_tokens = True
+
+    def __reduce__(self):  # (a pickled tokenizers.Tokenizer forgets encode_special_tokens)
+        return BPETokenizer, (self.spec, self._bpe, self.eos_id, self.vocab_size)
+
+    def encode(self, text):
+        return (self._bpe.encode(text, add_special_tokens=False).ids if self._file else
+                self._bpe.encode_ordinary(text))
 
     def encode_array(self, text):
         return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        if self._file:
+            return self._bpe.decode(list(ids), skip_special_tokens=False)
+        return self._bpe.decode(list(ids))
 
 
 def load_tokenizer(spec: dict, directory=None, path=None):
@@ -215,8 +227,7 @@ def load_tokenizer(spec: dict, directory=None, path=None):
                 f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
                 "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
                 "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
-        return BPETokenizer({"name": "gpt2"}, enc.encode_ordinary,
-                            lambda ids: enc.decode(list(ids)), enc.eot_token, enc.n_vocab)
+        return BPETokenizer({"name": "gpt2"}, enc, enc.eot_token, enc.n_vocab)
     if name != "file":
         raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
     path = Path(path or Path(directory or ".") / spec["file"])
@@ -231,15 +242,12 @@ def load_tokenizer(spec: dict, directory=None, path=None):
     except Exception as e:
         raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
                         f"cannot load ({e})") from None
-    tok.encode_special_tokens = True
     names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
     if not (found := [n for n in names if tok.token_to_id(n) is not None]):
         raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
                         "found none; name the one it has with --eos-token")
-    return BPETokenizer({**spec, "eos_token": found[0]},
-                        lambda text: tok.encode(text, add_special_tokens=False).ids,
-                        lambda ids: tok.decode(list(ids), skip_special_tokens=False),
-                        tok.token_to_id(found[0]), tok.get_vocab_size(with_added_tokens=True))
+    return BPETokenizer({**spec, "eos_token": found[0]}, tok, tok.token_to_id(found[0]),
+                        tok.get_vocab_size(with_added_tokens=True))
 
 
 # -----------------------------------------------------------------------------
