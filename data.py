@@ -44,11 +44,24 @@ _OBJECT = ("an object", lambda v: isinstance(v, dict))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
                    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
                    "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
-_TOTALS = {"tokens": _COUNT, "documents": _COUNT, "max_token_id": _COUNT}
-SPLIT_FIELDS = {**_TOTALS, "shards": ("a list", lambda v: isinstance(v, list))}
+_TOTALS = {"tokens": sum, "documents": sum, "max_token_id": max}  # a split's, of its shards'
+SPLIT_FIELDS = {**dict.fromkeys(_TOTALS, _COUNT), "shards": ("a list", lambda v: type(v) is list)}
 SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
                          and v.strip(".") != ""),  # a name inside the directory, no path
-                **_TOTALS, "sha256": ("a string", lambda v: isinstance(v, str))}
+                **dict.fromkeys(_TOTALS, _COUNT), "sha256": ("a string", lambda v: type(v) is str)}
+
+
+def split_totals(shards) -> dict:
+    """A split's tokens, documents and max_token_id from its shards' entries (readers trust it)."""
+    return {key: total([0] + [s[key] for s in shards]) for key, total in _TOTALS.items()}
+
+
+def shard_problem(f, shard, dtype):
+    """What is wrong with shard file `f` before it is read (manifest entry `shard`), or None."""
+    if not f.is_file():
+        return f"{f}: listed in {MANIFEST} but missing"
+    if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(dtype).itemsize):
+        return f"{f}: expected {want} bytes ({shard['tokens']} {dtype} tokens), found {size}"
 
 
 class DataError(ValueError):
@@ -159,8 +172,7 @@ EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # l
 
 class ByteTokenizer:
     """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a CPU."""
-    spec = {"name": "byte"}
-    vocab_size, eos_id = 257, 256
+    spec, vocab_size, eos_id = {"name": "byte"}, 257, 256
 
     def encode(self, text):
         return list(text.encode("utf-8", "replace"))
@@ -173,74 +185,69 @@ class ByteTokenizer:
         return raw.decode("utf-8", "replace")
 
 
-class GPT2Tokenizer:
-    """tiktoken's GPT-2 BPE (r50k_base), EOS 50,256; a text spelling "<|endoftext|>" is text."""
-    spec = {"name": "gpt2"}
+class BPETokenizer:
+    """GPT-2's BPE (a tiktoken Encoding) or a tokenizer.json (a tokenizers.Tokenizer), as
+    load_tokenizer builds them; "<|endoftext|>" in a text is text. Picklable, as workers need."""
 
-    def __init__(self):
+    def __init__(self, spec, bpe, eos_id, vocab_size):
+        self.spec, self._bpe, self.eos_id, self.vocab_size = spec, bpe, eos_id, vocab_size
+        self._file = spec["name"] == "file"
+        if self._file:  # a special token spelled in a text is text
+            bpe.encode_special_tokens = True
+
+    def __reduce__(self):  # (a pickled tokenizers.Tokenizer forgets encode_special_tokens)
+        return BPETokenizer, (self.spec, self._bpe, self.eos_id, self.vocab_size)
+
+    def encode(self, text):
+        return (self._bpe.encode(text, add_special_tokens=False).ids if self._file else
+                self._bpe.encode_ordinary(text))
+
+    def encode_array(self, text):
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids):
+        if self._file:
+            return self._bpe.decode(list(ids), skip_special_tokens=False)
+        return self._bpe.decode(list(ids))
+
+
+def load_tokenizer(spec: dict, directory=None, path=None):
+    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
+    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (or at
+    `path`); its EOS: spec["eos_token"], else the first of EOS_TOKENS the file has."""
+    name = spec.get("name") if isinstance(spec, dict) else None
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
         import tiktoken
         try:
-            self._enc = tiktoken.get_encoding("r50k_base")
+            enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:  # a download failure surfaces as one of many network error types
             raise DataError(
                 f"could not load the GPT-2 BPE file (tiktoken r50k_base): {e!r}; tiktoken fetches "
                 "it on first use: offline, set TIKTOKEN_CACHE_DIR to a directory holding it as "
                 "0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4, or use --tokenizer byte") from None
-        self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
-
-    def encode(self, text):
-        return self._enc.encode_ordinary(text)
-
-    def encode_array(self, text):
-        return np.asarray(self.encode(text), dtype=np.uint32)
-
-    def decode(self, ids):
-        return self._enc.decode(list(ids))
-
-
-class FileTokenizer:
-    """A Hugging Face tokenizer.json; EOS: spec["eos_token"], else the first of EOS_TOKENS it has"""
-
-    def __init__(self, path, spec):
-        from tokenizers import Tokenizer
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
-                            f"cannot load ({e})") from None
-        self._tok.encode_special_tokens = True  # a special token spelled in a text is plain text
-        names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
-        if not (found := [n for n in names if self._tok.token_to_id(n) is not None]):
-            raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
-                            "found none; name the one it has with --eos-token")
-        self.spec, self.eos_id = {**spec, "eos_token": found[0]}, self._tok.token_to_id(found[0])
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_array(self, text):
-        return np.asarray(self.encode(text), dtype=np.uint32)
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def load_tokenizer(spec: dict, directory=None):
-    """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
-    "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory`."""
-    name = spec.get("name") if isinstance(spec, dict) else None
-    if name in ("byte", "gpt2"):
-        return ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+        return BPETokenizer({"name": "gpt2"}, enc, enc.eot_token, enc.n_vocab)
     if name != "file":
         raise DataError(f"expected a tokenizer spec named byte, gpt2 or file, found {spec!r}")
-    path = Path(directory or ".") / spec["file"]
+    path = Path(path or Path(directory or ".") / spec["file"])
     if not path.is_file():
         raise DataError(f"{path}: tokenizer file missing (the tokenizer spec {spec} names it)")
     if spec.get("sha256") and sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
                         "found another file")
-    return FileTokenizer(path, spec)
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: expected a Hugging Face tokenizer.json file, found one it "
+                        f"cannot load ({e})") from None
+    names = [spec["eos_token"]] if spec.get("eos_token") else EOS_TOKENS
+    if not (found := [n for n in names if tok.token_to_id(n) is not None]):
+        raise DataError(f"{path}: expected an end-of-document token ({', '.join(names)}), "
+                        "found none; name the one it has with --eos-token")
+    return BPETokenizer({**spec, "eos_token": found[0]}, tok, tok.token_to_id(found[0]),
+                        tok.get_vocab_size(with_added_tokens=True))
 
 
 # -----------------------------------------------------------------------------
@@ -272,9 +279,7 @@ class TokenSource:
                        for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
         self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
-        # A recorded id range is trusted at first, so that a run starts at once; check_vocab then
-        # has each file checked at its first read. A raw source is scanned instead.
-        self.recorded = max_token_id is not None
+        self.recorded = max_token_id is not None  # trusted, so that a run starts at once
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
 
@@ -288,8 +293,9 @@ class TokenSource:
         return self.id_range()[1]
 
     def check_vocab(self, vocab_size: int):
-        """Refuse token ids outside [0, vocab_size): the recorded range now, and each file again at
-        its first read (a shard edited after prepare.py keeps its size)."""
+        """Refuse token ids outside [0, vocab_size): a raw source scanned now, a recorded range
+        now and each file again at its first read (a shard edited after prepare.py keeps its size:
+        a bad id is then never an index error deep in a step)."""
         lo, hi = self.id_range()
         if lo < 0 or hi >= vocab_size:
             theirs = f" (its tokenizer has {self.vocab_size} ids)" if self.vocab_size else ""
@@ -330,9 +336,7 @@ class TokenSource:
         np.concatenate(pieces, out=out.reshape(-1))
         return out
 
-    def _check(self, ids, seq_len):
-        # A shard changed after prepare.py wrote it keeps its size: each file these windows touch
-        # is checked at its first read, so that a bad id is never an index error deep in a step.
+    def _check(self, ids, seq_len):  # check_vocab's first-read check of the files ids touch
         begin = ids.astype(np.int64) * seq_len
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
         for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):
@@ -357,20 +361,17 @@ def read_manifest(directory) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: expected a JSON manifest (prepare.py writes it last), found "
                         f"{'none' if isinstance(e, FileNotFoundError) else e}") from None
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-        found = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise DataError(f"{path}: expected format {MANIFEST_FORMAT!r}, found {found!r}")
-    if m.get("version") != MANIFEST_VERSION:
-        raise DataError(f"{path}: expected version {MANIFEST_VERSION}, found "
-                        f"{m.get('version')!r}; a newer prepare.py?")
+    for key, want in (("format", MANIFEST_FORMAT), ("version", MANIFEST_VERSION)):
+        if (found := m.get(key) if isinstance(m, dict) else type(m).__name__) != want:
+            raise DataError(f"{path}: expected {key} {want!r}, found {found!r}"
+                            + "; a newer prepare.py?" * (key == "version"))
     _check_fields(path, m, MANIFEST_FIELDS, "")
     for name, split in m["splits"].items():
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        # a split's totals are what readers trust (max_token_id: the vocabulary check)
-        for key, total in (("tokens", sum), ("documents", sum), ("max_token_id", max)):
-            if split[key] != (found := total([0] + [shard[key] for shard in split["shards"]])):
+        for key, found in split_totals(split["shards"]).items():  # (max_token_id: check_vocab's)
+            if split[key] != found:
                 raise DataError(f"{path}: split {name!r} has {key} {split[key]}, shards {found}")
     return m
 
@@ -396,11 +397,8 @@ def _prepared(p, split, dtype):
                       "--val-fraction 0?)")
     files = [p / shard["file"] for shard in s["shards"]]
     for f, shard in zip(files, s["shards"]):  # the sizes the manifest promises, before mapping
-        if not f.exists():
-            raise DataError(f"{f}: listed in {MANIFEST} but missing")
-        if (size := f.stat().st_size) != (want := shard["tokens"] * np.dtype(m["dtype"]).itemsize):
-            raise DataError(f"{f}: expected {want} bytes ({shard['tokens']} {m['dtype']} tokens, "
-                            f"per {MANIFEST}), found {size}; run `python prepare.py verify {p}`")
+        if problem := shard_problem(f, shard, m["dtype"]):
+            raise DataError(f"{problem}; run `python prepare.py verify {p}`")
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 
@@ -437,11 +435,11 @@ def _megatron(p, split, dtype):
     raw = np.memmap(idx, dtype=np.uint8, mode="r")  # the index can be large: map it, do not copy
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
     for ok, want, found in [
-            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r}", f"{magic!r}, not a Megatron "
-             "index"), (version == 1, "version 1", version),
+            (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r} of a Megatron index", magic),
+            (version == 1, "version 1", version),
             (code in MEGATRON_DTYPES, f"a dtype code in {sorted(MEGATRON_DTYPES)}", code),
-            (size == o + 12 * S + 8 * D, f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} "
-             "document boundaries", size)]:
+            (size == o + 12 * S + 8 * D,
+             f"{o + 12 * S + 8 * D} bytes for {S} sequences and {D} document boundaries", size)]:
         if not ok:
             raise DataError(f"{idx}: expected {want}, found {found}")
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")

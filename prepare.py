@@ -22,7 +22,6 @@ workers included, within a second or so (exit 130 or 143).
 import contextlib
 import dataclasses
 import gzip
-import hashlib
 import inspect
 import json
 import multiprocessing
@@ -42,9 +41,9 @@ import typer
 from rich.progress import Progress
 from typer import Option
 
-from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, FileTokenizer,
-                  cli_errors, fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
-                  sha256, write_atomic)
+from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, cli_errors,
+                  fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
+                  sha256, shard_problem, split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -67,17 +66,6 @@ class Options:
                                       "previous output.")] = False
     text_field: Annotated[str, Option(help="The text column of .parquet files and the text field "
                                       "of .jsonl records.")] = "text"
-
-
-def tokenizer_from_flag(flag: str, eos: Optional[str] = None):
-    """--tokenizer gpt2|byte|PATH -> (tokenizer, the file to copy into the output, or None)."""
-    if flag in ("byte", "gpt2"):  # (their EOS is built in: --eos-token is for tokenizer files)
-        return load_tokenizer({"name": flag}), None
-    if not Path(flag).is_file():
-        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
-                        f"{flag!r} (no such file)")
-    spec = {"name": "file", "file": "tokenizer.json", "sha256": sha256(flag), "eos_token": eos}
-    return FileTokenizer(Path(flag), spec), Path(flag)
 
 
 # -----------------------------------------------------------------------------
@@ -351,7 +339,13 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
             raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
     out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
-    tok, tok_file = tokenizer_from_flag(tokenizer, o.eos_token)
+    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
+    if tok_file and not tok_file.is_file():
+        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
+                        f"{tokenizer!r} (no such file)")
+    tok = load_tokenizer({"name": tokenizer} if tok_file is None else {
+        "name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
+        "eos_token": o.eos_token}, path=tok_file)
     # refuse an --out-dir whose replacement would lose something
     if out.exists() and not out.is_dir():
         raise DataError(f"--out-dir {out}: expected a directory, found a file")
@@ -426,10 +420,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                         "training: give more documents or a smaller --val-fraction (0 for none)")
     if tok_file:
         write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
-    splits = {name: {"tokens": sum(s["tokens"] for s in w.shards),
-                     "documents": sum(s["documents"] for s in w.shards),
-                     "max_token_id": max((s["max_token_id"] for s in w.shards), default=0),
-                     "shards": w.shards} for name, w in writers.items()}
+    splits = {name: {**split_totals(w.shards), "shards": w.shards} for name, w in writers.items()}
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                 "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "tokenizer": tok.spec, "splits": splits, "stats": {
@@ -462,20 +453,14 @@ def verify(directory) -> list:
         return [str(e)]
     problems, dtype, eos, vocab = [], np.dtype(m["dtype"]), m["eos_id"], m["vocab_size"]
     for s in (x for split in m["splits"].values() for x in split["shards"]):
-        f, want = directory / s["file"], s["tokens"] * dtype.itemsize
-        if (size := f.stat().st_size if f.is_file() else None) != want:
-            problems.append(f"{f}: missing (listed in {MANIFEST})" if size is None else
-                            f"{f}: expected {want} bytes ({s['tokens']} {dtype.name} tokens), "
-                            f"found {size}")
+        if problem := shard_problem(f := directory / s["file"], s, m["dtype"]):
+            problems.append(problem)
             continue
-        h, hi, n_eos, last = hashlib.sha256(), 0, 0, None
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 25), b""):  # in bounded chunks
-                h.update(block)
-                t = np.frombuffer(block, dtype)
-                hi, n_eos, last = max(hi, int(t.max())), n_eos + int((t == eos).sum()), int(t[-1])
+        t = np.memmap(f, dtype, mode="r") if s["tokens"] else np.empty(0, dtype)  # (no empty maps)
+        hi, n_eos, digest = int(t.max(initial=0)), int((t == eos).sum()), sha256(f)
+        last = int(t[-1]) if len(t) else None
         problems += [f"{f}: {problem}" for bad, problem in [
-            (h.hexdigest() != s["sha256"], f"sha256 {h.hexdigest()[:16]}... differs from the "
+            (digest != s["sha256"], f"sha256 {digest[:16]}... differs from the "
              f"manifest's {s['sha256'][:16]}...: the file changed after prepare.py wrote it"),
             (hi != s["max_token_id"], f"max token id {hi}, the manifest says {s['max_token_id']}"),
             (hi >= vocab, f"token id {hi} is outside the vocabulary of {vocab}"),

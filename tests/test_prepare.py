@@ -5,7 +5,9 @@ import gzip
 import hashlib
 import json
 import math
+import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -171,6 +173,8 @@ def test_gpt2_corpus_equals_direct_tiktoken_and_any_worker_count(gpt2, tmp_path)
         assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes(), name
     tok = load_tokenizer(manifest["tokenizer"])
     assert tok.decode(tok.encode(docs[0])) == docs[0]
+    again = pickle.loads(pickle.dumps(tok))  # spawned workers (macOS) get the tokenizer pickled
+    assert again.encode(docs[0]) == tok.encode(docs[0]) and again.decode([again.eos_id])
 
 
 def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
@@ -191,12 +195,20 @@ def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
                     "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == path.read_bytes()
     tok = load_tokenizer(spec, tmp_path / "out")  # what sample.py does with a checkpoint's spec
+    again = pickle.loads(pickle.dumps(tok))  # spawned workers (macOS) get the tokenizer pickled
+    assert again.encode(docs[0]) == tok.encode(docs[0]) and again.spec == spec
     eos = t.token_to_id("<|endoftext|>")
     assert tok.eos_id == manifest["eos_id"] == eos
     t.encode_special_tokens = True
     expected = [np.array(t.encode(d, add_special_tokens=False).ids + [eos]) for d in docs]
     check_output(tmp_path / "out", manifest, expected, 0.1, 200)
     assert verify(tmp_path / "out") == []
+    spawn = multiprocessing.get_context("spawn")
+    with pytest.MonkeyPatch.context() as mp:  # workers started by spawn (macOS) tokenize alike
+        mp.setattr(prepare.multiprocessing, "get_context", lambda s=spawn: s)
+        run([tmp_path / "corpus"], tmp_path / "spawned", str(path), val_fraction=0.1, workers=2)
+    for f in (tmp_path / "out").iterdir():
+        assert (tmp_path / "spawned" / f.name).read_bytes() == f.read_bytes(), f.name
     (tmp_path / "out" / "tokenizer.json").write_text("{}")
     with pytest.raises(DataError, match="tokenizer.json: expected sha256"):
         load_tokenizer(spec, tmp_path / "out")
