@@ -1,7 +1,6 @@
-"""The Mamba-3 layer's math: the scan `ssd` two ways (the token-by-token recurrence and the
-chunked PyTorch path), and the mixer region around it, from in_proj's output to the gated output
-that goes into out_proj, two ways (`mixer_torch`, readable, and `mixer_triton`, fused Triton
-kernels that run the scan inside them; `mixer` picks).
+"""The Mamba-3 layer's math: the scan `ssd` (the token-by-token recurrence and the chunked PyTorch
+form) and the mixer region, in_proj's output to out_proj's input, two ways (`mixer_torch`, readable;
+`mixer_triton`, fused Triton kernels that run the scan inside them; `mixer` picks).
 
 The scan, per batch element b and head h, with S the (P x N) state and R ranks (MIMO; R = 1 is
 SISO): token t brings R inputs, keys and queries, the rows of X_t (R x P), K_t, Q_t (R x N); the
@@ -12,10 +11,9 @@ every rank reads it:
     Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
 x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
-beta (B, L, H). The state passed in and out is the tuple (S (B, H, P, N) float32, k_prev, x_prev:
-the last token's k's and x's): exactly what a continuation call or a decoder needs. An optional
-reset (B, L) bool marks document starts: where reset[b, t] is set, the state entering t is zero
-(S_{t-1}, X_{t-1} and K_{t-1} all count as 0), so S_t = gamma_t X_t^T K_t.
+beta (B, L, H). The state in and out is (S (B, H, P, N) float32, k_prev, x_prev: the last token's
+k's and x's), what a continuation call or a decoder needs. reset (B, L) bool marks document starts:
+the state entering a marked t is zero (S_{t-1}, X_{t-1}, K_{t-1} count as 0).
 
 The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
 i // R, whose cs, w, gamma and seg it takes); inside a chunk let cs_i be the running sum of log_a up
@@ -27,14 +25,13 @@ gamma now and with the next token's beta one step later). Then, with Sin the sta
 
 with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), and W = 0 above
 its block diagonal. (The state carried between chunks already holds the next token's beta term;
-only the state after the last token of the sequence is the true S.) A reset cuts a chunk into
-segments: seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs
-seg_i == seg_j, e_i needs seg_i == 0 (no reset since the chunk began), f_j needs seg_j ==
-seg_last, a needs seg_last == 0. Only masks; never a -inf in a cumsum.
+only the state after the sequence's last token is the true S.) A reset cuts a chunk into segments:
+seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs seg_i ==
+seg_j, e_i seg_i == 0, f_j seg_j == seg_last, a seg_last == 0. Only masks; never a -inf in a cumsum.
 
-The mixer region (the layer minus its two projections). in_proj's output splits, per token, into
-z, x (H*P each) | B, C (R*G*N each: R ranks outermost of G groups, shared by the H/G heads of a
-group) | dd_dt, dd_A, trap (H each) | angle (S).
+The mixer region. in_proj's output splits, per token, into z, x (H*P each) | B, C (R*G*N each: R
+ranks outermost of G groups, shared by the H/G heads of a group) | dd_dt, dd_A, trap (H each) |
+angle (S).
 
     dt = softplus(dd_dt + dt_bias),  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
     log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
@@ -1067,43 +1064,23 @@ def _pow2(d, least=16):
 
 
 def _mixer_tiles(chunk_size, P, N, dtype, R=1):
-    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the chunk C in rows
-    (chunk_size tokens of R ranks), the tiles PP >= P and NH >= N / 2, the dot operand dtype DT
-    (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32 takes tf32
-    products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at 64
-    the sm_90 backward asks 224 KB of shared memory). Any chunk, the same algebra."""
+    """A mixer launch's compile-time constants for zxbcdt of `dtype`: the chunk C in rows
+    (chunk_size tokens of R ranks), tiles PP >= P and NH >= N / 2, DT, ACC and PREC. float32 takes
+    tf32 products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at
+    64 the sm_90 backward asks 224 KB of shared memory)."""
     C = min(chunk_size * R, 32) if dtype == torch.float32 else chunk_size * R
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(C=C, R=R, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
-def _launch_options(backward, major, tiles):
-    """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
-    compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
-    KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
-    kernels: 8 warps spread the tiles over 256 threads; num_stages=1 issues no loads for the next
-    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas
-    alone gives it 32 to 128 registers and a large stack, is capped at 255 (float32 on sm_80: 7.8
-    KB of spills a thread against 43 under Triton 3.6); at 64-token chunks also 4 warps, since
-    Triton lays out every product with all warps along its rows (16 rows a warp: at 8 warps a
-    64-row tile is held twice): 9.8 KB against 10.4 (Triton 3.9). Not on sm_90 (the cap: 3.0 KB
-    against 2.8). Figures: tools/gpu_evidence.py compile."""
-    C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
-    options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
-    if backward and major == 8 and options["num_warps"] == 8:
-        options |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
-    return options
-
-
-# What each kernel's tuner times besides _launch_options' choice (its first config, and the only one
-# under the interpreter), by kernel and compute capability major: launch options that leave every
-# result bit as it is. Stages change when loads are issued and a register cap where values live,
-# never the arithmetic; warps may change how tl.sum and tl.cumsum split their operands, so the mixer
-# kernels keep theirs (_sum_heads adds its heads' shares one at a time in any layout). Kept, of the
-# candidates that fit (no more than a quarter more spills, shared memory within every GPU of that
-# major, under Triton 3.6 to 3.9: python tools/gpu_evidence.py compile --configs candidates), one
-# or two a kernel: each costs a compile at the first launch of a shape (the backward's: a minute).
+# What each kernel's tuner times besides its default launch options, by kernel and compute
+# capability major: options that leave every result bit as it is. Stages change when loads issue
+# and a register cap where values live, never the arithmetic; warps may change how tl.sum and
+# tl.cumsum split, so the mixer kernels keep theirs. Kept: the candidates that fit (at most a
+# quarter more spills, shared memory within every GPU of that major, Triton 3.6 to 3.9: python
+# tools/gpu_evidence.py compile --configs candidates); each costs a compile at a shape's first
+# launch.
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
@@ -1112,9 +1089,18 @@ _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stage
 
 def _launch_configs(kernel, major, tiles):
     """The launch options kernel's tuner times on a GPU of compute capability major.x, the default
-    first (the interpreter's, major 0: it takes that one alone)."""
-    base = ({"num_warps": 4, "num_stages": 3} if kernel == "_sum_heads" else
-            _launch_options(kernel == "_mixer_bwd", major, tiles))
+    first (the interpreter's, major 0, takes it alone). Registers limit the mixer kernels (a (P, N)
+    float32 state plus the chunk's blocks): 8 warps for wide tiles, and num_stages=1 issues no loads
+    early. The backward on sm_8x is capped at 255 registers (fewer spills than ptxas' own choice),
+    with 4 warps at 64-row chunks (Triton lays every product's rows over all warps). Not on sm_90,
+    where the cap spills more. Figures: tools/gpu_evidence.py compile."""
+    if kernel == "_sum_heads":
+        base = {"num_warps": 4, "num_stages": 3}
+    else:
+        C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
+        base = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
+        if kernel == "_mixer_bwd" and major == 8 and base["num_warps"] == 8:
+            base |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
     return [base] + [base | extra for extra in _TUNE.get((kernel, major), [])]
 
 
@@ -1129,12 +1115,12 @@ def _time(launch):
 
 
 def _tuned(kernel, grid):
-    """kernel[grid] as a function of its arguments that launches it in the fastest of its configs
-    (_launch_configs) on args[0]'s device, timed at the first launch of each shape (the constexprs)
-    on each device, on that launch's own arguments. The kernels only store to their outputs (no
-    atomics, nothing accumulated into them), so the timing runs leave what one run leaves."""
+    """kernel[grid] as a function that launches it in the fastest of its _launch_configs, timed on
+    each device at the first launch of each shape (constexprs) on its own arguments: the kernels
+    only store to their outputs, so the timing runs leave what one run leaves."""
     def launch(*args, **constexprs):
-        configs = _launch_configs(kernel.fn.__name__, _major(args[0]), constexprs)
+        major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
+        configs = _launch_configs(kernel.fn.__name__, major, constexprs)
         key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
         if len(configs) > 1 and key not in _TUNED:
             _TUNED[key] = min(configs, key=lambda options: _time(
@@ -1143,9 +1129,8 @@ def _tuned(kernel, grid):
     return launch
 
 
-# The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
-# 3.9 and sm_80 to sm_90 (python tools/gpu_evidence.py compile; the forward asks less): float32
-# needs 88 under Triton 3.9 but 112 under 3.6 and 160 under 3.7, more than sm_86 and sm_89 give
+# The most shared memory a block of the backward asks, KiB, over Triton 3.6 to 3.9 and sm_80 to
+# sm_90 (tools/gpu_evidence.py compile): float32 up to 160 (Triton 3.7), more than sm_86/89 give
 _SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
@@ -1155,78 +1140,40 @@ def fused_refusal(x):
     if not x.is_cuda:
         return None
     gpu = torch.cuda.get_device_properties(x.device)
+    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
     if x.dtype == torch.float64:
         return ("float64: the fused backward would need 256 KB of shared memory a block, more than "
                 "any GPU has")
     if gpu.major < 8:
         return (f"{gpu.name} has compute capability {gpu.major}.{gpu.minor}: the fused kernels "
                 f"need 8.0 or newer (bf16 and tf32 tensor cores)")
-    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
     if has and has < _SHARED_KIB.get(x.dtype, 0):
-        dtype = str(x.dtype).removeprefix("torch.")
-        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused {dtype} "
-                f"backward may ask {_SHARED_KIB[x.dtype]} KB (bf16 autocast asks less)")
+        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused "
+                f"{str(x.dtype).removeprefix('torch.')} backward may ask {_SHARED_KIB[x.dtype]} KB "
+                f"(bf16 autocast asks less)")
     return None
 
 
-def _halves(states, tiles):
-    # a descriptor that moves one (PP, NH) half of a saved mixer state per load or store. The state
-    # lives in the matmul's register layout, and a per-element pointer store from there holds ~100
-    # more registers a thread than the descriptor's copy through shared memory (TMA on Hopper).
-    PP, NH = tiles["PP"], tiles["NH"]
-    return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
-
-
-def _major(x):
-    # the compute capability's major number of x's GPU (0 for CPU tensors, the interpreter)
-    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 0
-
-
-def _reset_bytes(reset):
-    return None if reset is None else reset.contiguous().view(torch.uint8)
-
-
-def _launchable(x, what):
-    torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
-    if triton is None:
-        raise RuntimeError(f"{what}: impl='triton' needs Triton, which does not import here (it "
-                           f"ships for Linux); {torch_path}")
-    if _version(triton.__version__) < TRITON_NEEDED:
-        needed = ".".join(map(str, TRITON_NEEDED))
-        raise RuntimeError(f"{what}: impl='triton' needs Triton >= {needed} but found Triton "
-                           f"{triton.__version__}; upgrade it, or {torch_path}")
-    why = fused_refusal(x)
-    if why:
-        raise RuntimeError(f"{what}: impl='triton' cannot run here: {why}; {torch_path}")
-    if not x.is_cuda and not _INTERPRETED:
-        raise RuntimeError(f"{what}: impl='triton' on CPU tensors runs only through Triton's "
-                           f"interpreter: set TRITON_INTERPRET=1 before triton is imported, or "
-                           f"{torch_path}")
-
-
 def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=None):
-    """(B, L, H, P, G, N, S, C, R), after checking that zxbcdt and the parameters fit together and
-    the kernels (C: tokens a chunk; R: the MIMO rank, B_bias (H, R, N) for R > 1)."""
+    """(B, L, H, P, G, N, S, C, R) once zxbcdt, the parameters and the kernels fit together."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G, S, C = headdim, ngroups, n_angles, chunk_size
     if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
-        raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO: mimo=None) "
-                         f"or a power of 2 from 2 to 32 (a chunk's rows are its tokens' ranks); "
-                         f"got {R}: use impl='torch' (MAMBA3_IMPL=torch) for other ranks")
+        raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
+                         f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
+                         f"impl='torch' (MAMBA3_IMPL=torch) for other ranks")
     bias = (H, N) if mimo is None else (H, R, N)
     if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
-        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors (H, R, P) = "
-                         f"{(H, R, P)}, got {tuple(B_bias.shape)} and "
-                         f"{[tuple(m.shape) for m in mimo or ()]}")
+        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors {(H, R, P)}, got "
+                         f"{tuple(B_bias.shape)} and {[tuple(m.shape) for m in mimo or ()]}")
     if not isinstance(C, int) or C * R < 16 or C & (C - 1):
         raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
                          f"mimo_rank >= 16 rows (tl.dot's minimum), got {C} (rank {R})")
     width = sum(split_sizes(H, P, G, N, S, R))
     if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width:
-        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2RGN + 3H + S) = (B, L, {width}) "
-                         f"with L >= 1 for H={H}, P={P}, R={R}, G={G}, N={N}, S={S}; got "
-                         f"{tuple(zxbcdt.shape)}")
+        raise ValueError(f"mixer: zxbcdt must be (B, L >= 1, 2HP + 2RGN + 3H + S = {width}) for "
+                         f"H={H}, P={P}, R={R}, G={G}, N={N}, S={S}; got {tuple(zxbcdt.shape)}")
     if H % G or N % 2 or 2 * S > N:
         raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even "
                          f"and n_angles <= d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
@@ -1240,28 +1187,35 @@ def _chunks(L, tiles):
     return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
 
 
-def _setup(zxbcdt, B_bias, sizes, mimo):
-    """What a launch needs: the shapes (_mixer_shapes), the tiles, the chunks nc, the accumulator
-    dtype, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
+def _setup(zxbcdt, B_bias, sizes, mimo, reset):
+    """What a launch needs: the shapes (_mixer_shapes), tiles, chunks nc, accumulator dtype, zxbcdt
+    with a unit stride, the mimo vectors (None for SISO) and reset as bytes."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
-    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo
+    reset = None if reset is None else reset.contiguous().view(torch.uint8)
+    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo, reset
+
+
+def _halves(states, tiles):
+    # a descriptor moving one (PP, NH) half of a saved state a load or store: a pointer store from
+    # the matmul's register layout would hold ~100 more registers a thread (TMA on Hopper)
+    PP, NH = tiles["PP"], tiles["NH"]
+    return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
                    ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
                    mimo_o=None):
-    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
-    ones, phase (B*H, nc, S))."""
-    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
+    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH), phase (B*H, nc, S))."""
+    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo, reset = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
                                _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
@@ -1272,11 +1226,10 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                     states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
                     mimo_x=None, mimo_z=None, mimo_o=None):
-    """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
-    d B_bias, d C_bias, d D, d mimo_x, d mimo_z, d mimo_o (empty for SISO)); the parameters'
-    per-(b, h, chunk) sums are added up here."""
-    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
+    """Launch _mixer_bwd and _sum_heads: (dzxbcdt, then the gradients of dt_bias, B_norm_weight,
+    C_norm_weight, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o (empty for SISO))."""
+    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts, reset = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     width = 2 * R * N + 2 * N + 2  # of a row of dparam
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
@@ -1284,7 +1237,7 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
         dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
-        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
@@ -1294,12 +1247,12 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
                                                       R, H=H, G=G, P=P, N=N, S=S, TB=TB,
                                                       NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
+    # the parameters' per-(b, h, chunk) sums added up; copies: a custom op's outputs may not alias
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
     dB_w, dC_w = dparam[:, 2 * R * N:-2].view(H, 2, N).sum(0)
     grads = (dparam[:, -2], dB_w, dC_w, dB_bias, dC_bias, dparam[:, -1])
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-    # copies: a custom op's outputs may not alias each other
     grads = [g.to(p.dtype, copy=True) for g, p in zip(grads, params)]
     if mimo_x is None:
         return (dzx, *grads, *(zx.new_empty(0) for _ in range(3)))
@@ -1309,9 +1262,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
 
 if triton is not None:
     # The fused region as two custom ops (forward, backward) with fake implementations and an
-    # autograd formula, so that torch.compile treats the Triton launches as opaque calls with known
-    # output shapes. The mimo vectors come last, None for SISO (whose op then returns empty
-    # tensors for their gradients).
+    # autograd formula: torch.compile sees opaque calls with known output shapes. The mimo vectors
+    # come last, None for SISO (whose op then returns empty tensors for their gradients).
     Tensor = torch.Tensor
     Mimo = Optional[Tensor]
 
@@ -1353,10 +1305,10 @@ if triton is not None:
           phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
           mimo_o=None):
         params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-        dzx = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
         mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
                 for m in (mimo_x, mimo_z, mimo_o)]
-        return (dzx, *(torch.empty_like(p) for p in params), *mimo)
+        return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
+                *(torch.empty_like(p) for p in params), *mimo)
 
     def _mixer_setup_context(ctx, inputs, output):
         *tensors, reset = inputs[:8]
@@ -1377,12 +1329,24 @@ if triton is not None:
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
-    """mixer_torch's region (without a decoding state) as three Triton launches: _mixer_fwd
-    forward, _mixer_bwd and _sum_heads backward, through the custom op mamba3::mixer_fwd. mimo:
-    None (SISO) or (mimo_x, mimo_z, mimo_o), as for mixer_torch. Returns out (B, L, H*P)."""
-    _launchable(zxbcdt, "mixer")
+    """mixer_torch's region (without a decoding state) through the custom op mamba3::mixer_fwd:
+    _mixer_fwd forward, _mixer_bwd and _sum_heads backward. Returns out (B, L, H*P)."""
+    torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
+    if triton is None:
+        raise RuntimeError(f"mixer: impl='triton' needs Triton, which does not import here (it "
+                           f"ships for Linux); {torch_path}")
+    if _version(triton.__version__) < TRITON_NEEDED:
+        need = ".".join(map(str, TRITON_NEEDED))
+        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but found Triton "
+                           f"{triton.__version__}; upgrade it, or {torch_path}")
+    if why := fused_refusal(zxbcdt):
+        raise RuntimeError(f"mixer: impl='triton' cannot run here: {why}; {torch_path}")
+    if not zxbcdt.is_cuda and not _INTERPRETED:
+        raise RuntimeError(f"mixer: impl='triton' on CPU tensors runs only through Triton's "
+                           f"interpreter: set TRITON_INTERPRET=1 before importing triton, or "
+                           f"{torch_path}")
     _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo)
-    _check_reset(reset, zxbcdt.shape[0], zxbcdt.shape[1], "mixer")
+    _check_reset(reset, *zxbcdt.shape[:2], "mixer")
     return _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                          headdim, ngroups, n_angles, chunk_size, float(A_floor), float(eps),
                          *(mimo or ()))[0]
@@ -1407,21 +1371,32 @@ def _resolve(impl, x):
     return impl
 
 
-def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
-    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes). Returns y shaped
-    as x, in x's dtype, and the final state (S, k_prev, x_prev).
+def _check_reset(reset, B, L, what):
+    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, L)):
+        raise ValueError(f"{what}: reset must be a (B, L) = {(B, L)} bool tensor, got "
+                         f"{reset.dtype} {tuple(reset.shape)}")
 
-    impl: "recurrent" (the oracle), "torch" (the chunked form, chunk_size tokens a chunk) or
-    "auto", which is the chunked form unless the environment variable MAMBA3_IMPL says
-    "recurrent". The scan has no Triton kernel of its own: on CUDA, Triton runs it fused into the
-    mixer region (mixer, mixer_triton), so impl="triton" is refused here (and MAMBA3_IMPL=triton,
-    which picks the mixer's path, leaves the scan alone on the chunked form). reset (B, L) bool:
-    the state entering a marked position is zero (a document starts there)."""
+
+def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
+    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes): y shaped as x,
+    in x's dtype, and the final state (S, k_prev, x_prev). impl: "recurrent" (the oracle), "torch"
+    (the chunked form) or "auto": "torch" unless MAMBA3_IMPL says "recurrent". The scan has no
+    Triton kernel of its own (Triton runs it fused into the mixer region), so impl="triton" is
+    refused and MAMBA3_IMPL=triton leaves it on the chunked form."""
     if impl == "triton":
         raise ValueError("ssd: the scan alone has no Triton kernel (Triton runs it inside the "
                          "mixer region: mixer(impl='triton')); use impl='torch' or 'recurrent'")
     impl = "recurrent" if _resolve(impl, x) == "recurrent" else "torch"
-    _check_shapes(x, q, k, log_a, gamma, beta)
+    if x.dim() not in (4, 5) or x.shape[1] == 0:
+        raise ValueError(f"ssd: x must be (B, L, H, P), or (B, L, H, R, P) with R ranks, with "
+                         f"L >= 1, got {tuple(x.shape)}")
+    if q.shape != k.shape or q.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"ssd: q and k must be {tuple(x.shape[:-1]) + ('N',)}, as x without its "
+                         f"last dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
+        if t.shape != x.shape[:3]:
+            raise ValueError(f"ssd: {name} must be (B, L, H) = {tuple(x.shape[:3])}, got "
+                             f"{tuple(t.shape)}")
     _check_reset(reset, x.shape[0], x.shape[1], "ssd")
     if x.dim() == 4:  # SISO: the same scan with a rank axis of one
         if state is not None:
@@ -1439,19 +1414,20 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
           mimo=None):
     """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state).
 
-    impl: "recurrent" or "torch" (mixer_torch, its scan so), "triton" (the fused kernels,
-    mixer_triton), or "auto": Triton for CUDA tensors when it imports, else torch; the environment
-    variable MAMBA3_IMPL overrides "auto" (handy to A/B the paths without touching code). The fused
-    kernels take no decoding state, so with one (Phi, S, k_prev, x_prev), prefill or a decode step,
-    "triton" runs mixer_torch with the chunked scan (exact: a float32 state) and the state after
-    the last token comes back (None without). mimo: None (SISO) or (mimo_x, mimo_z, mimo_o) of a
-    MIMO layer, on every path (a rank the kernels cannot take is refused, naming --mimo-rank).
-    Where the fused kernels cannot run (float64 on a GPU, a GPU older than compute capability 8.0:
-    fused_refusal), "auto" takes the PyTorch path with a warning, and "triton" refuses."""
+    impl: "recurrent" or "torch" (mixer_torch, its scan so), "triton" (mixer_triton), or "auto":
+    Triton for CUDA tensors when it imports, else torch; MAMBA3_IMPL overrides "auto". With a
+    decoding state (Phi, S, k_prev, x_prev), which the fused kernels do not take, "triton" runs
+    mixer_torch with the chunked scan and the state after the last token comes back (else None).
+    mimo: None (SISO) or (mimo_x, mimo_z, mimo_o), on every path. Where the fused kernels cannot
+    run (fused_refusal), "auto" takes the PyTorch path with a warning and "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
-    if impl == "triton" and asked is None and fused_refusal(zxbcdt):
-        _note_fallback(fused_refusal(zxbcdt))
+    why = impl == "triton" and asked is None and fused_refusal(zxbcdt)
+    if why:
+        # one line, the first time (a warning inside a torch.compile trace would break the graph)
+        if not torch.compiler.is_compiling():
+            warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses "
+                          f"that without this note)", stacklevel=2)
         impl = "torch"
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
@@ -1460,29 +1436,3 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
         return mixer_triton(zxbcdt, *params, mimo=mimo, **kw), None
     scan = "torch" if impl == "triton" else impl
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
-
-
-def _note_fallback(why):
-    # one line, the first time (a warning inside a torch.compile trace would break the graph)
-    if not torch.compiler.is_compiling():
-        warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
-                      f"without this note)", stacklevel=3)
-
-
-def _check_shapes(x, q, k, log_a, gamma, beta):
-    if x.dim() not in (4, 5) or x.shape[1] == 0:
-        raise ValueError(f"ssd: x must be (B, L, H, P), or (B, L, H, R, P) with R ranks, with "
-                         f"L >= 1, got {tuple(x.shape)}")
-    B, L, H = x.shape[:3]
-    if q.shape != k.shape or q.shape[:-1] != x.shape[:-1]:
-        raise ValueError(f"ssd: q and k must be {tuple(x.shape[:-1]) + ('N',)}, as x without its "
-                         f"last dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
-        if t.shape != (B, L, H):
-            raise ValueError(f"ssd: {name} must be (B, L, H) = {(B, L, H)}, got {tuple(t.shape)}")
-
-
-def _check_reset(reset, B, L, what):
-    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, L)):
-        raise ValueError(f"{what}: reset must be a (B, L) = {(B, L)} bool tensor, got "
-                         f"{reset.dtype} {tuple(reset.shape)}")
