@@ -64,8 +64,7 @@ def _compute_dtype(*tensors):
 
 
 def _initial_state(state, x, k, dtype):
-    """(S0, k_prev, x_prev) in the compute dtype; zeros when no state is given. x (B, L, H, R, P),
-    k (B, L, H, R, N)."""
+    """(S0, k_prev, x_prev) in the compute dtype, zeros without a state. x (B, L, H, R, P)."""
     B, _, H, R, P = x.shape
     N = k.shape[-1]
     if state is None:
@@ -79,8 +78,7 @@ def _initial_state(state, x, k, dtype):
 
 
 def _final_state(S, x, k):
-    # the true state after the last token, and that token's k and x (the next token's beta term
-    # needs them)
+    # the true state after the last token, and that token's k and x (the next beta term needs them)
     return S.float() if S.dtype != torch.float64 else S, k[:, -1].clone(), x[:, -1].clone()
 
 
@@ -89,17 +87,15 @@ def _final_state(S, x, k):
 
 
 def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
-    """One token of the recurrence. S (B, H, P, N); k_prev, k, q (B, H, R, N); x_prev, x
-    (B, H, R, P), R ranks; log_a, gamma, beta (B, H). Returns (y (B, H, R, P), S_new); out of place
-    so autograd can run through it. (x^T k sums the R rank-1 updates v_r k_r^T.)"""
+    """One token of the recurrence: S (B, H, P, N); k_prev, k, q (B, H, R, N); x_prev, x
+    (B, H, R, P); log_a, gamma, beta (B, H) -> (y (B, H, R, P), S_new), out of place (autograd)."""
     a, gamma, beta = log_a.exp()[..., None, None], gamma[..., None, None], beta[..., None, None]
     S = a * (S + beta * (x_prev.mT @ k_prev)) + gamma * (x.mT @ k)
     return (S @ q.mT).mT, S
 
 
 def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
-    """The recurrence, one token at a time (ranked shapes, see ssd). Slow; the ground truth for
-    every other path."""
+    """The recurrence, one token at a time (ranked shapes): slow, the ground truth."""
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     S, k_prev, x_prev = _initial_state(state, x, k, dtype)
     xc, qc, kc = x.to(dtype), q.to(dtype), k.to(dtype)
@@ -121,17 +117,15 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
 
 
 def decay_matrix(cs, same=None):
-    """cs (b, C) -> D (b, C, C) with D_ij = exp(cs_i - cs_j) for j <= i and 0 above the diagonal
-    (and, given `same` (b, C, C), 0 between segments). Only differences <= 0 are exponentiated: the
-    ones above the diagonal (> 0, possibly huge) are clamped to 0 first and then masked."""
+    """cs (b, C) -> D (b, C, C), D_ij = exp(cs_i - cs_j) for j <= i (and, given `same`, in one
+    segment), else 0. The differences above the diagonal (> 0, maybe huge) are clamped to 0."""
     D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
     return D if same is None else D.mul_(same)
 
 
 def _segment_decays(cs, seg):
-    """The decays that cross a chunk boundary, zero where a reset lies in between. cs, seg (b, C) ->
-    e (b, C): from the chunk's start to i; f (b, C): from j to the chunk's end; a (b,): over the
-    whole chunk; and same (b, C, C), whether i and j lie in one segment (None without resets)."""
+    """A chunk's e (b, C), f (b, C), a (b,) from cs, seg (b, C), zero across a reset, and same
+    (b, C, C): whether i and j lie in one segment (None without resets)."""
     e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
     if seg is None:
         return e, f, a, None
@@ -154,8 +148,8 @@ def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C)
 
 
 def _weights(D, w, g, R=1):
-    """The intra-chunk weights W on the chunk's rows, from the tokens' D (b, C, C), w, g: D_ij w_j
-    where j's token precedes i's, gamma_i within one token, 0 after (D is 0 above its diagonal)."""
+    """W on the chunk's rows from the tokens' D (b, C, C), w, g: D_ij w_j between tokens, gamma_i
+    within one."""
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
@@ -166,29 +160,23 @@ def _weights(D, w, g, R=1):
 
 
 class ChunkedScan(torch.autograd.Function):
-    """The chunked form (the module docstring's) on chunk-major tensors: b = B*H*nc chunks of C
-    tokens, C*R rows each (row i: token i // R); seg (b, C), the resets counted inside each chunk,
-    or None. A short loop over the chunks chains them. By hand, not autograd, which would keep
-    several C x C temporaries per chunk; this keeps three (D, Q K^T and M = W o Q K^T).
+    """The chunked form on chunk-major tensors: b = B*H*nc chunks of C tokens, C*R rows each (row
+    i: token i // R); seg (b, C), the resets counted inside each chunk, or None. By hand, not
+    autograd, which would keep several C x C temporaries a chunk (this keeps D, Q K^T and M).
 
-    The backward of one chunk, written once for both fast paths (_mixer_bwd computes the same in a
-    scaled form). dY is Y's gradient, G that of Sout, D_ij = exp(cs_i - cs_j) for j <= i in one
-    segment (D_ii = 1, so W = D o w_j below the diagonal and gamma_i on it), dM = dY X^T:
+    The chunk's backward, for both fast paths (_mixer_bwd in a scaled form). dY and G are the
+    gradients of Y and Sout, D_ij = exp(cs_i - cs_j) for j <= i in one segment, M = W o Q K^T:
 
-        dX   = M^T dY + u * (K G^T)
-        dQ   = (dM o W) K + e * (dY Sin)
-        dK   = (dM o W)^T Q + u * (X G)
-        dSin = a G + (e * dY)^T Q                   (the G of the chunk before)
-        R    = dM o (Q K^T) o D                     (what W's entries pass on to w and cs)
-        du_j = x_j . (K G^T)_j                      (what u_j passes on)
-        dgamma_i = R_ii,    dw_j = sum_{i>j} R_ij + du_j f_j
-        dcs_i = sum_{j<i} R_ij w_j - w_i sum_{l>i} R_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
+        dX = M^T dY + u * (K G^T)       dQ = (dM o W) K + e * (dY Sin)      dM = dY X^T
+        dK = (dM o W)^T Q + u * (X G)   dSin = a G + (e * dY)^T Q (the chunk before's G)
+        Rm = dM o (Q K^T) o D  (what W passes on to w and cs),  du_j = x_j . (K G^T)_j
+        dgamma_i = Rm_ii,    dw_j = sum_{i>j} Rm_ij + du_j f_j
+        dcs_i = sum_{j<i} Rm_ij w_j - w_i sum_{l>i} Rm_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
                 + [i = last] (sum_j du_j u_j + a <G, Sin>)
 
-    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, u_i with -; cs_last every u_j and
-    a.) Masks cover the resets. dlog_a is the reverse running sum of dcs; dgamma_s and dbeta_{s+1}
-    get dw_s. With R > 1 the formulas hold per token once its rows are summed: R_ii is the sum over
-    its own (R x R) block, in which the R_ij w_j and w_i R_li terms of dcs cancel."""
+    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, and u_i with -; cs_last every u_j
+    and a.) dlog_a is dcs's reverse running sum; dgamma_s and dbeta_{s+1} get dw_s. With R > 1 it
+    holds per token once its rows are summed: Rm_ii sums its own R x R block."""
 
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
@@ -211,7 +199,7 @@ class ChunkedScan(torch.autograd.Function):
         D = decay_matrix(cs, same)
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
         M = _weights(D, w, g, R).mul_(scores)
-        # kept for the backward: D, scores and M (on a CPU, recomputing M costs as much as keeping)
+        # kept for the backward (on a CPU, recomputing M costs as much as keeping it)
         ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)
         # (into Xu's buffer, dead by now: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
@@ -227,7 +215,6 @@ class ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dY, dS_final):
-        # the docstring's formulas, a few batched matmuls each
         X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
         dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
         b, CR, P = X.shape
@@ -244,7 +231,7 @@ class ChunkedScan(torch.autograd.Function):
         dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
         Rm = dMD.mul_(scores)
         dg = _own(Rm, R).sum((1, 2))
-        colR = Rm.sum(1)  # sum_{l>=j} R_lj: the diagonal terms cancel in dcs and leave dw
+        colR = Rm.sum(1)  # sum_{l>=j} Rm_lj: the diagonal terms cancel in dcs and leave dw
         dw = _per_token(colR, R) - dg
         dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
         # inter-chunk: e * (Q Sin^T)
@@ -263,8 +250,7 @@ class ChunkedScan(torch.autograd.Function):
         # what each chunk adds: (X * u)^T K
         dS = dS.view(b, P, N)
         u = f * w
-        # (the dead buffers of dY * e and T take the products: on a CPU, fresh 4 MB buffers cost
-        # page faults)
+        # (into the dead buffers of dY * e and T: on a CPU, fresh 4 MB buffers cost page faults)
         dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
         dX.addcmul_(dXu, _rows(u, R)[..., None])
         dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
@@ -276,8 +262,7 @@ class ChunkedScan(torch.autograd.Function):
 
 
 def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
-    """The chunked form (ranked shapes, see ssd): chunks of C tokens, C*R rows each, become the
-    batch of the matmuls in ChunkedScan."""
+    """The chunked form (ranked shapes): chunks of C tokens are the batch of ChunkedScan's bmms."""
     B, L, H, R, P = x.shape
     N = q.shape[-1]
     C = chunk_size
@@ -414,15 +399,13 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # -----------------------------------------------------------------------------
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
 #
-# One program per (b, h) walks the chunks with the (P x N) state on chip in float32 and saves the
-# state entering each chunk (in the dot operand dtype) for the backward, which walks them in
-# reverse with the state's gradient G on chip; zxbcdt is read in place through its strides. A
-# chunk is C rows, row i rank i % R of token i // R (R = 1: SISO, a row a token), so a MIMO chunk
-# of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted once,
-# on its first row. Tiles are powers of 2, at least 16 for tl.dot: PP >= P, and N as its even and
-# odd dims, two tiles of NH >= N / 2 (see _qk). tl.constexpr: DT, the operand dtype of every tl.dot
-# (zxbcdt's), ACC, that of cumsums, states and accumulators (float32; float64 for float64 inputs),
-# PREC, the products' input precision (tf32 for float32: _mixer_tiles), and the model's sizes.
+# One program per (b, h) walks the chunks with the (P x N) float32 state on chip and saves the
+# state entering each chunk for the backward, which walks them in reverse with the state's gradient
+# G on chip; zxbcdt is read in place. A chunk is C rows, row i rank i % R of token i // R, so a MIMO
+# chunk of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted
+# once, on its first. Tiles (powers of 2, >= 16 for tl.dot): PP >= P, and N as its even and odd
+# dims, two of NH >= N / 2 (_qk). tl.constexpr: DT, every tl.dot's operand dtype (zxbcdt's), ACC,
+# that of cumsums, states and accumulators (float32, or float64), PREC, the products' precision.
 
 try:
     import triton
@@ -440,15 +423,13 @@ def _version(v):
 if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # Under TRITON_INTERPRET=1 (read when the kernels below are decorated, i.e. at import) they run
-    # as numpy on CPU tensors: the tests run them that way. Its one gap that matters here: no
-    # bfloat16 arithmetic (see _dot).
+    # Under TRITON_INTERPRET=1 (read at import, when the kernels are decorated) they run as numpy
+    # on CPU tensors, as the tests run them (no bfloat16 arithmetic there: see _operands).
     _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     _INTERPRETED = tl.constexpr(_INTERPRET)
     if _INTERPRET and _version(triton.__version__) < (3, 7):
-        # Triton 3.6's interpreter makes a loop bound an int with int() of a one-element 1-d
-        # array, which NumPy deprecated in 1.25 and now refuses, so `for c in range(nc)` stops;
-        # 3.7 squeezes the array first, as this does.
+        # Triton 3.6's interpreter takes int() of a one-element 1-d array for a loop bound, which
+        # NumPy now refuses; 3.7 squeezes the array first, as this does.
         from triton.runtime import interpreter as _interpreter
 
         def _patch_lang_tensor(tensor, scope, patch=_interpreter._patch_lang_tensor):
@@ -460,15 +441,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                  torch.float64: tl.float64}
     _PI = tl.constexpr(math.pi)
 
-    # A chunk's per-token scalars for one head, (C,) each in ACC (see _scalars). A plain namedtuple:
-    # Triton 3.6 to 3.9 take one in @triton.jit code (nested tuple unpacks they do not all take).
+    # A chunk's per-token scalars for one head, (C,) each in ACC (_scalars): a plain namedtuple,
+    # which Triton 3.6 to 3.9 all take in @triton.jit code.
     _Scalars = collections.namedtuple("_Scalars", "dt dsp lam dt_n dsp_n lam_n fA dfA A gamma w cs")
 
     @triton.jit
     def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a product's operands in DT; PREC "ieee", or "tf32" for float32 (tensor cores read 10 of
-        # its 23 mantissa bits). The interpreter multiplies in numpy, so it is made to do what a GPU
-        # does: bf16 goes to float32 (numpy would multiply bit patterns), tf32 loses 13 bits (cut)
+        # a product's operands in DT; PREC "ieee" or "tf32" (tensor cores read 10 of float32's 23
+        # mantissa bits). Under the interpreter (numpy) bf16 goes to float32 and tf32 loses 13 bits
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -486,32 +466,15 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-        # acc + a b, as _dot, for an acc that is not itself a product (one that feeds another
-        # product gets the costlier layout on GPUs). out_dtype: Triton 3.6 would assume float32
+        # acc + a b, for an acc that is not a product (one gets a costlier layout on GPUs);
+        # out_dtype, since Triton 3.6 would assume float32
         a, b = _operands(a, b, DT, PREC)
         return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     @triton.jit
-    def _last(v, i, C: tl.constexpr):
-        # v's entry at i = C - 1 (_first: at 0), as a scalar (v: (C,))
-        return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
-
-    @triton.jit
-    def _first(v, i):
-        return tl.sum(tl.where(i == 0, v, 0), axis=0)
-
-    @triton.jit
-    def _shift_down(v, tok):
-        # the sum of v over the rows of the token before each row's (0 in the first): a (C, C)
-        # select and sum, cheap next to the chunk's matmuls
-        return tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, v[None, :], 0.0), axis=1)
-
-    @triton.jit
-    def _token_sum(v, tok, R: tl.constexpr):
-        # the sum of v (C,) over each row's token's R rows, on each of them
-        if R > 1:
-            v = tl.sum(tl.where(tok[:, None] == tok[None, :], v[None, :], 0.0), axis=1)
-        return v
+    def _at(v, i, k):
+        # v's entry at row k, as a scalar (v: (C,))
+        return tl.sum(tl.where(i == k, v, 0), axis=0)
 
     @triton.jit
     def _by_token(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
@@ -535,10 +498,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr, R: tl.constexpr,
                       HAS_RESET: tl.constexpr):
-        # chunk c's rows i (rank i % R of token i // R): their tokens t, which exist (t < L), which
-        # rows are their token's first (its scalars count once), their rows of zxbcdt (B, L, W),
-        # seg: the resets counted from the chunk's start through each row's token, and start: the
-        # first row of the latest reset at or before it (zeros without resets)
+        # chunk c's rows i: their tokens t, which exist, which are their token's first, their rows
+        # of zxbcdt; seg: the resets counted from the chunk's start through each row's token, start:
+        # the first row of the latest reset at or before it (zeros without resets)
         t = c * (C // R) + i // R
         valid, first = t < L, i % R == 0
         rows = zx_ptr + b * s_b + t * s_l
@@ -556,47 +518,34 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _softplus(v):
-        # softplus(v) and its derivative sigmoid(v), as torch computes them (the identity above 20);
-        # log1p(e^v) through log(1 + x) x / ((1 + x) - 1), accurate where 1 + x rounds (dt is often
-        # ~1e-3)
+        # softplus(v) and sigmoid(v), as torch (the identity above 20); log1p(x) as log(1 + x) x /
+        # ((1 + x) - 1), accurate where 1 + x rounds (dt is often ~1e-3)
         ex = tl.exp(tl.minimum(v, 20.0))
         one = 1.0 + ex
         log1p = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))
         return tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
 
     @triton.jit
-    def _tanh(v):
-        e = tl.exp(-2.0 * tl.abs(v))  # in (0, 1]: no overflow
-        return tl.where(v < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-
-    @triton.jit
     def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
-        # dt = softplus(dd_dt + dt_bias) (0 past L: those tokens neither decay nor add), softplus'
-        # and lam = sigmoid(trap) of head h at the token rows
+        # head h's dt = softplus(dd_dt + dt_bias) (0 past L: no decay, no input), softplus' and
+        # lam = sigmoid(trap) at the token rows
         dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
         trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
         dt, dsp = _softplus(dd_dt + dt_bias)
         return tl.where(valid, dt, 0.0), dsp, 1.0 / (1.0 + tl.exp(-trap))
 
     @triton.jit
-    def _heavy_tail(dd_A):
-        # f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0), and f'(v)
-        neg = 1.0 / (1.0 - tl.minimum(dd_A, 0.0))
-        return tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
-
-    @triton.jit
     def _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H: tl.constexpr,
                  G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
                  ACC: tl.constexpr):
-        """Head h's per-token scalars on the chunk's rows, an _Scalars: dt, softplus' and lam, the
-        same for the next token (whose beta completes w: token s's input enters with gamma_s now
-        and beta_{s+1} one step later), f(dd_A) and f', A, gamma, w and cs, the running sum of
-        log_a = A dt over the tokens (one row each)."""
+        """Head h's per-token scalars on the chunk's rows, an _Scalars: dt, softplus', lam and the
+        same for the next token (whose beta completes w), f(dd_A) and f', A, gamma, w and cs."""
         col_dt = 2 * H * P + 2 * R * G * N
         dt, dsp, lam = _dt_lam(rows, valid, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dt_n, dsp_n, lam_n = _dt_lam(rows + s_l, t + 1 < L, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dd_A = tl.load(rows + col_dt + H + h, mask=valid, other=0.0).to(ACC)
-        fA, dfA = _heavy_tail(dd_A)
+        neg = 1.0 / (1.0 - tl.minimum(dd_A, 0.0))  # f(v) = 1 + v (v >= 0), 1 / (1 - v), and f'
+        fA, dfA = tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
         A = -tl.maximum(fA, A_floor)
         gamma = lam * dt
         w = gamma + (1.0 - lam_n) * dt_n
@@ -605,12 +554,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _decays(cs, seg, start, i, tok, C: tl.constexpr):
-        """A chunk's decays from its cs, seg and start (C,), 0 wherever they would cross a reset:
-            decay_ij = exp(cs_i - cs_j) for j's token up to i's, in one segment      (C, C)
-            e_i = exp(cs_i),  f_j = exp(cs_last - cs_j),  a = exp(cs_last)
-        Every exponent is <= 0 but the differences above the diagonal, clamped to 0 first and
-        masked after. (j in i's segment: start_i <= j, a test on one row vector.)"""
-        cs_last, seg_last = _last(cs, i, C), _last(seg, i, C)
+        """A chunk's decays, 0 across a reset: decay_ij = exp(cs_i - cs_j) (C, C) for j's token up
+        to i's in one segment (start_i <= j), e, f and a; exponents above the diagonal clamped."""
+        cs_last, seg_last = _at(cs, i, C - 1), _at(seg, i, C - 1)
         same = (tok[None, :] <= tok[:, None]) & (i[None, :] >= start[:, None])
         decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
         e = tl.where(seg == 0, tl.exp(cs), 0.0)
@@ -620,10 +566,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _scaled_weights(decay, gamma, w, tok):
-        """M, the chunk's weights for k's rows scaled by w (Kw = w k): decay between tokens, gamma
-        / w within one, so that M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw. W, a (C, C)
-        tile times a row vector, is then never built: on GPUs its extra tile spilled. gamma / w
-        lies in [0, 1] (w = gamma + the next token's beta)."""
+        """M, the weights for k's rows scaled by w (Kw = w k): decay between tokens, gamma / w
+        within one, so M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw: W (a (C, C) tile
+        times a row vector, whose extra tile spilled on GPUs) is never built."""
         return tl.where(tok[:, None] == tok[None, :], _over_w(gamma, w)[:, None], decay)
 
     @triton.jit
@@ -632,19 +577,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
 
     @triton.jit
-    def _turn_rate(dve, dvo, ve, vo):
-        # d/dPhi of turned pairs: a turned pair (v0, v1) moves as (-v1, v0), so the phase gets
-        # dv1 v0 - dv0 v1
-        return dvo * ve - dve * vo
-
-    @triton.jit
     def _phase(rows, valid, first, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
                HAS_RESET: tl.constexpr):
-        """tanh(angle) (C, NH) (0 for the pairs j >= S, which never turn) and the phases: the carry
-        from the chunks before plus the running sum of theta dt = pi tanh(angle) dt over the
-        chunk's tokens, both restarting at a reset (then a segmented scan, _seg_cumsum)."""
+        """tanh(angle) (C, NH) (0 for the pairs j >= S) and the phases: the carry plus the running
+        sum of pi tanh(angle) dt over the chunk's tokens, both restarting at a reset."""
         mask = valid[:, None] & (j < S)[None, :]
-        th = _tanh(tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC))
+        ang = tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC)
+        ex = tl.exp(-2.0 * tl.abs(ang))  # tanh without overflow
+        th = tl.where(ang < 0, -1.0, 1.0) * (1.0 - ex) / (1.0 + ex)
         v = tl.where(first[:, None], (_PI * th) * dt[:, None], 0.0)
         if HAS_RESET:
             Phi = _seg_cumsum(v, seg, False)
@@ -654,9 +594,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # the running sum of v (C, NH) along the rows inside each segment (seg (C,), the resets
-        # counted so far: non-decreasing), forwards or backwards: a scan of (segment, sum) pairs
-        # (a product with the one-segment mask would be a float32 dot on FMA units: it spilled)
+        # the running sum of v (C, NH) along the rows inside each segment, either way: a scan of
+        # (segment, sum) pairs (a product with the segment mask, an FMA-unit float32 dot, spilled)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -664,9 +603,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of rows as (the segment of their last row, the sum over their rows in it):
-        # seg never decreases, so the later segment is the larger number. Associative and
-        # commutative: the scan may combine in any order
+        # two ranges of rows as (the segment of their last row, their sum in it): seg never
+        # decreases, so the later segment is the larger; associative and commutative
         s = tl.maximum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
@@ -678,9 +616,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
-        # an (N,) parameter's even and odd entries (a norm weight, a bias), (NH,) each. Read once
-        # per chunk: a loop-invariant vector broadcast to a tile would be hoisted out of the chunk
-        # loop and hold registers through it.
+        # an (N,) parameter's even and odd entries, (NH,) each, read once a chunk (a loop-invariant
+        # tile would be hoisted out of the chunk loop and hold registers through it)
         m = j < N // 2
         even = tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC)
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
@@ -729,11 +666,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _qk(ptrs, valid, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
             ACC: tl.constexpr):
-        """k (ptrs: each row's B columns) or q (its C columns) as even and odd dims, (C, NH) each:
-        RMS-normalised over N, times the norm weight, plus the bias, each pair (2j, 2j + 1) turned
-        by its phase (pad rows are zeros); then the normalised dims and 1 / rms for the backward.
-        Two strided loads, not one (C, N) tile: a pair's halves then sit in two tiles of one
-        layout, and the turn is elementwise."""
+        """k (ptrs: each row's B columns) or q (C's) as even and odd dims, (C, NH) each: RMSNorm,
+        weight, bias, each pair turned by its phase (pad rows 0); then the normalised dims and
+        1 / rms. Two strided loads, not one (C, N) tile: a pair's halves sit in one layout."""
         ptr = ptrs[:, None] + 2 * j[None, :]
         mask = _in_bounds(valid, j, N // 2, NH)
         xe = tl.load(ptr, mask=mask, other=0.0).to(ACC)
@@ -747,9 +682,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, we, wo, N):
-        # from a turned q or k's gradient (even and odd dims) to that of the un-turned vector (= the
-        # bias's) and of the B or C row: turn back, then through the weight and the RMS norm,
-        # dx = rstd (dh - h mean(h dh))
+        # a turned q or k's gradient to the un-turned one's (the bias's) and the B or C row's:
+        # turn back, through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
         mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
@@ -762,13 +696,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of
-        zxbcdt (B, L, 2HP + 2RGN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's R ranks of B and
-        C; the angles), the parameters (mimo_x/z/o (H, R, P) if R > 1) and reset (B, L) if any;
-        computes the scalars, phases, q and k in registers, runs the scan, adds D x, gates, sums the
-        ranks and writes out (B, L, H*P). Saves what the backward cannot recompute: the state
-        entering each chunk in DT (descriptor `states` over (B*H*nc*PP, 2NH): even state dims, then
-        odd ones) and the phase entering it (B*H, nc, S)."""
+        """The mixer region forward, grid (B*H,): from head h's columns of zxbcdt, the parameters
+        and reset, out (B, L, H*P). Saves the state entering each chunk in DT (`states`, over
+        (B*H*nc*PP, 2NH): even state dims, then odd) and the phase entering it (B*H, nc, S)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -833,19 +763,16 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region backward, one program per (b, h) walking the chunks in reverse with G
-        (the gradient of the state leaving the chunk) and the phase carry's gradient on chip.
-        Recomputes the chunk from zxbcdt, the saved states and phases; reads dout (B, L, H*P).
-        Writes head h's columns of dzxbcdt (z, x, dd_dt, dd_A, trap), its share of what heads share
-        (B, C, the angles) to part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) sums of
-        the parameters' gradients to dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
+        """The mixer region backward, grid (B*H,), walking the chunks in reverse with G and the
+        phase carry's gradient on chip, each chunk recomputed from zxbcdt and the saved states and
+        phases. Writes head h's columns of dzxbcdt, its share of the shared ones (B, C, angles) to
+        part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) parameter gradient sums to
+        dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
 
-        ChunkedScan's gradients in the forward's scaled form (Kw = w k, M, f for u): Rw = dM o M o
-        (Q Kw^T) between tokens and df = x . (Kw G^T) carry the w factors, so dw_j = (sum_l Rw_lj +
-        df_j f_j) / w_j, dgamma = the own block of dM o (Q K^T), dK = w dKw; k's phase gradient is
-        that of the turned Kw and dKw. A token's scalar gradients sum its R rows (running sums over
-        rows, read at its first). Token s's beta enters w at token s - 1, in chunk c - 1 for a
-        chunk's first token, which is so written one iteration later (pend_*)."""
+        ChunkedScan's gradients in the scaled form (Kw = w k, M, f for u): Rw = dM o M o (Q Kw^T)
+        and df = x . (Kw G^T) carry the w factors, so dw = (sum_l Rw_lj + df_j f_j) / w_j, dK =
+        w dKw. Token s's beta enters w at s - 1, in chunk c - 1 for a chunk's first token, which is
+        so written one iteration later (pend_*)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -954,7 +881,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dMMt = tl.trans(dMM.to(DT))
             dKe = _dot(dMMt, Qe, DT, PREC) + f[:, None] * _dot(X, Ge, DT, PREC)
             dKo = _dot(dMMt, Qo, DT, PREC) + f[:, None] * _dot(X, Go, DT, PREC)
-            dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
+            # a turned pair moves as (-v1, v0): dPhi = dv1 v0 - dv0 v1 (Kw, dKw give k's)
+            dPhi = dKo * Kwe - dKe * Kwo
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
             Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
             dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
@@ -970,7 +898,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dQo = _dot(dMM.to(DT), Kwo, DT, PREC) + e[:, None] * _dot(dY, So, DT, PREC)
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
-            dPhi += _turn_rate(dQe, dQo, Qe, Qo)
+            dPhi += dQo * Qe - dQe * Qo
             Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
             dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
             _bias_store(prow + R * N, dqe, dqo, j, N, C, R, NH)
@@ -995,8 +923,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dla = tl.cumsum(dcs, 0, reverse=True)
             # the scalars again (five loads a token): cheaper than holding them through the chunk
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
-            dgamma = _token_sum(dg + dw, tok, R)
-            dbeta = _shift_down(dw, tok)
+            dgamma = dg + dw
+            if R > 1:  # summed over each token's rows, on each of them
+                own = tok[:, None] == tok[None, :]
+                dgamma = tl.sum(tl.where(own, dgamma[None, :], 0.0), axis=1)
+            # dw summed over the rows of the token before each row's (0 on the first)
+            dbeta = tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, dw[None, :], 0.0), axis=1)
             d_dt = dla * sc.A + dgamma * sc.lam + dbeta * (1.0 - sc.lam)
             d_dt += tl.sum(dv * _PI * th, axis=1)
             dlam = (dgamma - dbeta) * sc.dt
@@ -1006,9 +938,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # the next chunk's first token, held back one iteration, now gets its beta term (dw at
             # our last token)
             dw_last = tl.sum(tl.where(tok == C // R - 1, dw, 0.0), axis=0)
-            lam1, dt1 = _last(sc.lam_n, i, C), _last(sc.dt_n, i, C)
+            lam1, dt1 = _at(sc.lam_n, i, C - 1), _at(sc.dt_n, i, C - 1)
             t1 = (c + 1) * (C // R)
-            d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _last(sc.dsp_n, i, C)
+            d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _at(sc.dsp_n, i, C - 1)
             d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
             ty = dzx_ptr.dtype.element_ty
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(ty), mask=t1 < L)
@@ -1022,7 +954,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
             tl.store(prow + 2 * R * N + 2 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
                      + tl.where(t1 < L, d_dd_dt1, 0.0))  # d dt_bias
-            pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
+            pend_dt, pend_lam = _at(d_dt, i, 0), _at(dlam, i, 0)
 
     @triton.jit
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, R, H: tl.constexpr, G: tl.constexpr,
