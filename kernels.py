@@ -65,16 +65,11 @@ def _compute_dtype(*tensors):
 
 def _initial_state(state, x, k, dtype):
     """(S0, k_prev, x_prev) in the compute dtype, zeros without a state. x (B, L, H, R, P)."""
-    B, _, H, R, P = x.shape
-    N = k.shape[-1]
     if state is None:
+        (B, _, H, R, P), N = x.shape, k.shape[-1]
         return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, R, N, dtype=dtype),
                 x.new_zeros(B, H, R, P, dtype=dtype))
-    S0, k_prev, x_prev = state
-    if S0.shape != (B, H, P, N) or k_prev.shape != (B, H, R, N) or x_prev.shape != (B, H, R, P):
-        raise ValueError(f"ssd: state shapes {tuple(S0.shape)}, {tuple(k_prev.shape)}, "
-                         f"{tuple(x_prev.shape)} do not match (B, H, R, P, N) = {(B, H, R, P, N)}")
-    return S0.to(dtype), k_prev.to(dtype), x_prev.to(dtype)
+    return tuple(t.to(dtype) for t in state)
 
 
 def _final_state(S, x, k):
@@ -207,65 +202,55 @@ class ChunkedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dY, dS_final):
-        # in the compute dtype, as the forward ran: torch.compile traces the backward under the
-        # caller's autocast
+        # in the compute dtype, as the forward ran (torch.compile traces it under autocast)
         with torch.autocast(dY.device.type, enabled=False):
             dY = dY.float() if dY.dtype != torch.float64 else dY
-            return ChunkedScan._backward(ctx, dY, dS_final)
-
-    @staticmethod
-    def _backward(ctx, dY, dS_final):
-        X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
-        dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
-        b, CR, P = X.shape
-        BH, N = dS_final.shape[0], Q.shape[-1]
-        nc, C = b // BH, cs.shape[1]
-        R = CR // C
-        e, f, a, _ = _segment_decays(cs, seg)
-        # intra-chunk: Y = M X
-        dX = torch.bmm(M.transpose(1, 2), dY)
-        dMD = torch.bmm(dY, X.transpose(1, 2))
-        dMD.view(b, C, R, C, R).mul_(D[:, :, None, :, None])  # dM o D, (b, C*R, C*R)
-        dMW = dMD * _rows(w, R)[:, None, :]
-        _own(dMW, R).copy_(_own(dMD, R) * g[:, None, None, :])  # dM o W
-        dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
-        Rm = dMD.mul_(scores)
-        dg = _own(Rm, R).sum((1, 2))
-        colR = Rm.sum(1)  # sum_{l>=j} Rm_lj: the diagonal terms cancel in dcs and leave dw
-        dw = _per_token(colR, R) - dg
-        dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
-        # inter-chunk: e * (Q Sin^T)
-        T = torch.bmm(dY, Sin)  # (b, C*R, N)
-        dcs += e * _per_token(torch.linalg.vecdot(T, Q), R)
-        dQ.addcmul_(_rows(e, R)[..., None], T)
-        dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
-        dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
-        # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
-        a = a.view(BH, nc, 1, 1)
-        G = dS_final
-        for c in reversed(range(nc)):  # dSin's slots take each chunk's G as they free up
-            G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
-        dS = dSin
-        da = torch.linalg.vecdot(dS.flatten(2), Sin.view(BH, nc, -1)) * a.view(BH, nc)  # a <G, Sin>
-        # what each chunk adds: (X * u)^T K
-        dS = dS.view(b, P, N)
-        u = f * w
-        # (into the dead buffers of dY * e and T: on a CPU, fresh 4 MB buffers cost page faults)
-        dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
-        dX.addcmul_(dXu, _rows(u, R)[..., None])
-        dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
-        du = _per_token(torch.linalg.vecdot(dXu, X), R)  # (b, C)
-        dw += du * f
-        dcs -= du * u
-        dcs[:, -1] += (du * u).sum(-1) + da.view(b)
-        return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
+            X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
+            dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
+            b, CR, P = X.shape
+            BH, N = dS_final.shape[0], Q.shape[-1]
+            nc, C = b // BH, cs.shape[1]
+            R = CR // C
+            e, f, a, _ = _segment_decays(cs, seg)
+            # intra-chunk: Y = M X
+            dX = torch.bmm(M.transpose(1, 2), dY)
+            dMD = torch.bmm(dY, X.transpose(1, 2))
+            dMD.view(b, C, R, C, R).mul_(D[:, :, None, :, None])  # dM o D, (b, C*R, C*R)
+            dMW = dMD * _rows(w, R)[:, None, :]
+            _own(dMW, R).copy_(_own(dMD, R) * g[:, None, None, :])  # dM o W
+            dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
+            Rm = dMD.mul_(scores)
+            dg = _own(Rm, R).sum((1, 2))
+            colR = Rm.sum(1)  # sum_{l>=j} Rm_lj: the diagonal terms cancel in dcs and leave dw
+            dw = _per_token(colR, R) - dg
+            dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
+            # inter-chunk: e * (Q Sin^T)
+            T = torch.bmm(dY, Sin)  # (b, C*R, N)
+            dcs += e * _per_token(torch.linalg.vecdot(T, Q), R)
+            dQ.addcmul_(_rows(e, R)[..., None], T)
+            dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
+            dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
+            # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
+            a = a.view(BH, nc, 1, 1)
+            G = dS_final
+            for c in reversed(range(nc)):  # dSin's slots take each chunk's G as they free up
+                G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
+            da = torch.linalg.vecdot(dSin.flatten(2), Sin.view(BH, nc, -1)) * a.view(BH, nc)
+            dS, u = dSin.view(b, P, N), f * w  # da = a <G, Sin>; each chunk added (X * u)^T K
+            # (into the dead buffers of dY * e and T: on a CPU, fresh 4 MB buffers cost page faults)
+            dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
+            dX.addcmul_(dXu, _rows(u, R)[..., None])
+            dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
+            du = _per_token(torch.linalg.vecdot(dXu, X), R)  # (b, C)
+            dw += du * f
+            dcs -= du * u
+            dcs[:, -1] += (du * u).sum(-1) + da.view(b)
+            return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
 
 
 def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
     """The chunked form (ranked shapes): chunks of C tokens are the batch of ChunkedScan's bmms."""
-    B, L, H, R, P = x.shape
-    N = q.shape[-1]
-    C = chunk_size
+    (B, L, H, R, P), N, C = x.shape, q.shape[-1], chunk_size
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     with torch.autocast(x.device.type, enabled=False):
         S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
@@ -288,10 +273,8 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C*R, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None, None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
-        seg = None
-        if reset is not None:  # the resets counted inside each chunk (b, C); equal: one segment
-            seg = F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C)
-            seg = seg.cumsum(-1)
+        seg = None if reset is None else (  # the resets counted inside each chunk (b, C)
+            F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C).cumsum(-1))
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)
         y = Y.view(B, H, nc, C, R, P).permute(0, 2, 3, 1, 4, 5).reshape(B, nc * C, H, R, P)[:, :L]
     return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
@@ -623,16 +606,6 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
 
     @triton.jit
-    def _bias(ptr, h, rank, j, N: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
-        # head h's B or C bias (H, R, N) at each row's rank, even and odd dims: (1 or C, NH) each
-        if R == 1:
-            be, bo = _pairs(ptr + h * N, j, N, ACC)
-            be, bo = be[None, :], bo[None, :]
-        else:
-            be, bo = _pairs(ptr + ((h * R + rank) * N)[:, None], j[None, :], N, ACC)
-        return be, bo
-
-    @triton.jit
     def _lift(ptr, h, rank, p, P: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
         # mimo_x, mimo_z or mimo_o (H, R, P) of head h at each row's rank: (C, PP)
         ptrs = ptr + ((h * R + rank) * P)[:, None] + p[None, :]
@@ -664,11 +637,18 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                          (j < N // 2)[None, :])
 
     @triton.jit
-    def _qk(ptrs, valid, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
-            ACC: tl.constexpr):
-        """k (ptrs: each row's B columns) or q (C's) as even and odd dims, (C, NH) each: RMSNorm,
-        weight, bias, each pair turned by its phase (pad rows 0); then the normalised dims and
-        1 / rms. Two strided loads, not one (C, N) tile: a pair's halves sit in one layout."""
+    def _qk(ptrs, valid, w_ptr, b_ptr, h, rank, j, cos, sin, eps, N: tl.constexpr, R: tl.constexpr,
+            NH: tl.constexpr, ACC: tl.constexpr):
+        """k (ptrs: each row's B columns, then B's norm weight and bias) or q (C's) as even and odd
+        dims, (C, NH) each: RMSNorm, weight, the bias (H, R, N) of the row's rank, each pair turned
+        by its phase (pad rows 0); then the normalised dims and 1 / rms. Two strided loads, not one
+        (C, N) tile: a pair's halves then sit in one layout."""
+        we, wo = _pairs(w_ptr, j, N, ACC)
+        if R == 1:
+            be, bo = _pairs(b_ptr + h * N, j, N, ACC)
+            be, bo = be[None, :], bo[None, :]
+        else:
+            be, bo = _pairs(b_ptr + ((h * R + rank) * N)[:, None], j[None, :], N, ACC)
         ptr = ptrs[:, None] + 2 * j[None, :]
         mask = _in_bounds(valid, j, N // 2, NH)
         xe = tl.load(ptr, mask=mask, other=0.0).to(ACC)
@@ -681,9 +661,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return turned_e, tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
 
     @triton.jit
-    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, we, wo, N):
+    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, j, N: tl.constexpr,
+                     ACC: tl.constexpr):
         # a turned q or k's gradient to the un-turned one's (the bias's) and the B or C row's:
         # turn back, through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
+        we, wo = _pairs(w_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
         mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
@@ -719,13 +701,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the next chunk's, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            we, wo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
-            Ke, Ko = _qk(rows + col_B, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
-            we, wo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
-            col_C = col_B + R * G * N
-            Qe, Qo = _qk(rows + col_C, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
+            Ke, Ko = _qk(rows + col_B, valid, Bw_ptr, Bb_ptr, h, rank, j, cos, sin, eps, N, R, NH,
+                         ACC)[:2]
+            Qe, Qo = _qk(rows + col_B + R * G * N, valid, Cw_ptr, Cb_ptr, h, rank, j, cos, sin, eps,
+                         N, R, NH, ACC)[:2]
             Kwe, Kwo = (Ke * sc.w[:, None]).to(DT), (Ko * sc.w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
             # the scan (in the scaled form of _scaled_weights), the D skip and the gate
@@ -795,14 +774,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             th, Phi = _phase(rows, valid, first, col_dt + 3 * H, S, j, sc.dt, seg, carry, ACC,
                              HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
-            Ke, Ko, xBe, xBo, rB = _qk(rows + col_B, valid, j, N, Bwe, Bwo, be, bo, cos, sin, eps,
-                                       NH, ACC)
-            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
-            Qe, Qo, xCe, xCo, rC = _qk(rows + col_B + R * G * N, valid, j, N, Cwe, Cwo, be, bo,
-                                       cos, sin, eps, NH, ACC)
+            Ke, Ko, xBe, xBo, rB = _qk(rows + col_B, valid, Bw_ptr, Bb_ptr, h, rank, j, cos, sin,
+                                       eps, N, R, NH, ACC)
+            Qe, Qo, xCe, xCo, rC = _qk(rows + col_B + R * G * N, valid, Cw_ptr, Cb_ptr, h, rank, j,
+                                       cos, sin, eps, N, R, NH, ACC)
             if R == 1:
                 qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
@@ -884,8 +859,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # a turned pair moves as (-v1, v0): dPhi = dv1 v0 - dv0 v1 (Kw, dKw give k's)
             dPhi = dKo * Kwe - dKe * Kwo
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
-            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
-            dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
+            dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, j, N, ACC)
             pm = j < N // 2
             _bias_store(prow, dke, dko, j, N, C, R, NH)
             _pairs_store(prow + 2 * R * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
@@ -899,8 +873,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
             dPhi += dQo * Qe - dQe * Qo
-            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
-            dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
+            dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, j, N, ACC)
             _bias_store(prow + R * N, dqe, dqo, j, N, C, R, NH)
             _pairs_store(prow + 2 * R * N + N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0),
                          pm)
