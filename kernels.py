@@ -112,15 +112,13 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
 
 
 def decay_matrix(cs, same=None):
-    """cs (b, C) -> D (b, C, C), D_ij = exp(cs_i - cs_j) for j <= i (and, given `same`, in one
-    segment), else 0. The differences above the diagonal (> 0, maybe huge) are clamped to 0."""
+    """D_ij = exp(cs_i - cs_j) (b, C, C) for j <= i (in one segment, given `same`), else 0."""
     D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
     return D if same is None else D.mul_(same)
 
 
 def _segment_decays(cs, seg):
-    """A chunk's e (b, C), f (b, C), a (b,) from cs, seg (b, C), zero across a reset, and same
-    (b, C, C): whether i and j lie in one segment (None without resets)."""
+    """e, f (b, C), a (b,), zero across a reset, and same (b, C, C): i, j in one segment."""
     e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
     if seg is None:
         return e, f, a, None
@@ -143,8 +141,7 @@ def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C)
 
 
 def _weights(D, w, g, R=1):
-    """W on the chunk's rows from the tokens' D (b, C, C), w, g: D_ij w_j between tokens, gamma_i
-    within one."""
+    """W on the chunk's rows from the tokens' D (b, C, C), w and g (gamma)."""
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
@@ -155,11 +152,10 @@ def _weights(D, w, g, R=1):
 
 
 class ChunkedScan(torch.autograd.Function):
-    """The chunked form on chunk-major tensors: b = B*H*nc chunks of C tokens, C*R rows each (row
-    i: token i // R); seg (b, C), the resets counted inside each chunk, or None. By hand, not
-    autograd, which would keep several C x C temporaries a chunk (this keeps D, Q K^T and M).
+    """The chunked form on b = B*H*nc chunks of C*R rows; seg (b, C), the resets counted inside
+    each chunk, or None. By hand, not autograd, which would keep several C x C temporaries a chunk.
 
-    The chunk's backward, for both fast paths (_mixer_bwd in a scaled form). dY and G are the
+    The chunk's backward, for both fast paths (_mixer_bwd in a scaled form), with dY and G the
     gradients of Y and Sout, D_ij = exp(cs_i - cs_j) for j <= i in one segment, M = W o Q K^T:
 
         dX = M^T dY + u * (K G^T)       dQ = (dM o W) K + e * (dY Sin)      dM = dY X^T
@@ -180,13 +176,11 @@ class ChunkedScan(torch.autograd.Function):
         BH, _, N = Sin0.shape
         nc, R = b // BH, CR // cs.shape[1]
         e, f, a, same = _segment_decays(cs, seg)
-        # what each chunk adds to the state at its end (its last w already holds the next beta)
+        # what each chunk adds to the state (its last w already holds the next beta)
         Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
         # the states entering the chunks, one chunk after the other (nc = L / C: a short loop)
-        a = a.view(BH, nc, 1, 1)
-        Sin = torch.empty_like(dS)
-        S = Sin0
+        a, Sin, S = a.view(BH, nc, 1, 1), torch.empty_like(dS), Sin0
         for c in range(nc):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
@@ -194,9 +188,8 @@ class ChunkedScan(torch.autograd.Function):
         D = decay_matrix(cs, same)
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
         M = _weights(D, w, g, R).mul_(scores)
-        # kept for the backward (on a CPU, recomputing M costs as much as keeping it)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)
-        # (into Xu's buffer, dead by now: on a CPU a fresh 4 MB buffer costs page faults)
+        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)  # M: as cheap as redone
+        # (into Xu's dead buffer: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
         return torch.bmm(M, X).addcmul_(_rows(e, R)[..., None], QS), S
 
@@ -207,10 +200,8 @@ class ChunkedScan(torch.autograd.Function):
             dY = dY.float() if dY.dtype != torch.float64 else dY
             X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
             dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
-            b, CR, P = X.shape
-            BH, N = dS_final.shape[0], Q.shape[-1]
-            nc, C = b // BH, cs.shape[1]
-            R = CR // C
+            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
+            nc, R = b // BH, CR // C
             e, f, a, _ = _segment_decays(cs, seg)
             # intra-chunk: Y = M X
             dX = torch.bmm(M.transpose(1, 2), dY)
@@ -231,13 +222,12 @@ class ChunkedScan(torch.autograd.Function):
             dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
             dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
             # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
-            a = a.view(BH, nc, 1, 1)
-            G = dS_final
+            a, G = a.view(BH, nc, 1, 1), dS_final
             for c in reversed(range(nc)):  # dSin's slots take each chunk's G as they free up
                 G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
             da = torch.linalg.vecdot(dSin.flatten(2), Sin.view(BH, nc, -1)) * a.view(BH, nc)
             dS, u = dSin.view(b, P, N), f * w  # da = a <G, Sin>; each chunk added (X * u)^T K
-            # (into the dead buffers of dY * e and T: on a CPU, fresh 4 MB buffers cost page faults)
+            # (into the dead buffers of dY * e and T, as in the forward)
             dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
             dX.addcmul_(dXu, _rows(u, R)[..., None])
             dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
@@ -254,13 +244,13 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     with torch.autocast(x.device.type, enabled=False):
         S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
-        # w_s = gamma_s + beta_{s+1} (0 after the last token), and the state entering the first
-        # chunk: S0 plus the first token's beta term, which needs x_prev and k_prev
+        # w_s = gamma_s + beta_{s+1} (0 after the last token); the state entering the first chunk
+        # is S0 plus the first token's beta term
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
         beta0 = beta[:, 0, :, None, None, None].to(dtype)
         Sin0 = S0 + (beta0 * x_prev[..., :, None] * k_prev[..., None, :]).sum(2)  # (B, H, P, N)
-        # pad to whole chunks with tokens that change nothing (no decay, no input, no reset), then
-        # chunk-major: (B, L, H, R, D) -> (B*H*nc, C*R, D)
+        # pad to whole chunks with tokens that change nothing, then chunk-major: (B, L, H, R, D) ->
+        # (B*H*nc, C*R, D)
         pad = (-L) % C
         nc = (L + pad) // C
 
@@ -281,18 +271,16 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
 
 
 # -----------------------------------------------------------------------------
-# the mixer region in PyTorch: the readable twin of the fused kernels (and the path with a
-# decoding cache)
+# the mixer region in PyTorch: the fused kernels' readable twin (and the decoding cache's path)
 
 
 def _f32(t):
-    # dt, A, the angles and the phases are computed in float32 (or float64 when the whole model is)
+    # dt, A, the angles and the phases in float32 (or float64 when the whole model is)
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def rotate(v, phi):
-    """Rotate adjacent pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest
-    passes."""
+    """Rotate pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest pass."""
     S = phi.shape[-1]
     v0, v1, rest = v[..., 0:2 * S:2], v[..., 1:2 * S:2], v[..., 2 * S:]
     cos, sin = phi.cos(), phi.sin()
@@ -327,18 +315,16 @@ def split_sizes(H, P, G, N, S, R=1):
 def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None,
                 impl="torch", mimo=None):
-    """The mixer region in PyTorch ops (the module docstring's equations), the scan through
-    ssd(impl=impl). zxbcdt (B, L, 2HP + 2RGN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. mimo:
-    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S,
-    k_prev (B, H, [R,] N), x_prev (B, H, P)); the state after the last token comes back with out,
-    in the same shapes (None without)."""
+    """The mixer region in PyTorch ops, the scan through ssd(impl=impl): zxbcdt (B, L, 2HP + 2RGN
+    + 3H + S) -> (out (B, L, H*P) in zxbcdt's dtype, state). mimo: None (SISO) or (mimo_x, mimo_z,
+    mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S, k_prev (B, H, [R,] N), x_prev
+    (B, H, P)), which comes back after the last token (None without)."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G = headdim, ngroups
     Bsz, L, _ = zxbcdt.shape
     sizes = split_sizes(H, P, G, N, n_angles, R)
     z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(zxbcdt, sizes, dim=-1)
-
     dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
     dd_A = _f32(dd_A)
     # A = -max(f(dd_A), A_floor) with the heavy-tailed f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0)
@@ -352,10 +338,8 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     phi = phases(theta[:, :, None, :] * dt[..., None], reset, phi0)  # (B, L, H, S)
     phi = torch.remainder(phi, 2 * math.pi)
     phi_r = phi[:, :, :, None]  # the same phases for every rank
-
-    # B and C, R ranks of G groups each (rank outermost): RMS-normalised per rank and group, shared
-    # by the group's heads, plus per-head biases, then rotated by the heads' phases, the same for
-    # every rank (in float32, as the fused kernels do: bf16 in, float32 statistics)
+    # B and C (R ranks of G groups, rank outermost): RMS-normalised per rank and group, per-head
+    # biases, rotated; in float32, as the fused kernels (bf16 in, float32 statistics)
     Bn = F.rms_norm(_f32(Bm).view(Bsz, L, R, G, N), (N,), B_norm_weight, eps).transpose(2, 3)
     Cn = F.rms_norm(_f32(Cm).view(Bsz, L, R, G, N), (N,), C_norm_weight, eps).transpose(2, 3)
     Bn, Cn = Bn.repeat_interleave(H // G, dim=2), Cn.repeat_interleave(H // G, dim=2)
@@ -366,7 +350,6 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     lift = lambda t, m: t if m is None else t * m.to(t.dtype)  # noqa: E731
     x, z = x.view(Bsz, L, H, 1, P), z.view(Bsz, L, H, 1, P)
     v, z = lift(x, mimo_x), lift(z, mimo_z)  # (B, L, H, R, P)
-
     scan_state = None
     if state is not None:  # the cache holds the last token's x: its inputs are lifted again
         scan_state = (state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
@@ -1072,19 +1055,17 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=N
     if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
         raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors {(H, R, P)}, got "
                          f"{tuple(B_bias.shape)} and {[tuple(m.shape) for m in mimo or ()]}")
-    if not isinstance(C, int) or C * R < 16 or C & (C - 1):
-        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
-                         f"mimo_rank >= 16 rows (tl.dot's minimum), got {C} (rank {R})")
     width = sum(split_sizes(H, P, G, N, S, R))
-    if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width:
-        raise ValueError(f"mixer: zxbcdt must be (B, L >= 1, 2HP + 2RGN + 3H + S = {width}) for "
-                         f"H={H}, P={P}, R={R}, G={G}, N={N}, S={S}; got {tuple(zxbcdt.shape)}")
-    if H % G or N % 2 or 2 * S > N:
-        raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even "
-                         f"and n_angles <= d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
-    if zxbcdt.dtype not in _TL_DTYPE:
-        raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or "
-                         f"float64, got {zxbcdt.dtype}")
+    if (zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width
+            or zxbcdt.dtype not in _TL_DTYPE):
+        raise ValueError(f"mixer: impl='triton' takes zxbcdt (B, L >= 1, 2HP + 2RGN + 3H + S = "
+                         f"{width}) for H={H}, P={P}, R={R}, G={G}, N={N}, S={S} in float16, "
+                         f"bfloat16, float32 or float64; got {tuple(zxbcdt.shape)} {zxbcdt.dtype}")
+    if not isinstance(C, int) or C * R < 16 or C & (C - 1) or H % G or N % 2 or 2 * S > N:
+        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
+                         f"mimo_rank >= 16 (tl.dot's minimum), ngroups dividing the {H} heads, "
+                         f"d_state even and n_angles <= d_state / 2; got chunk_size={C}, rank {R}, "
+                         f"ngroups={G}, d_state={N}, n_angles={S}")
     return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
 
 
@@ -1292,16 +1273,11 @@ def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", res
         raise ValueError("ssd: the scan alone has no Triton kernel (Triton runs it inside the "
                          "mixer region: mixer(impl='triton')); use impl='torch' or 'recurrent'")
     impl = "recurrent" if _resolve(impl, x) == "recurrent" else "torch"
-    if x.dim() not in (4, 5) or x.shape[1] == 0:
-        raise ValueError(f"ssd: x must be (B, L, H, P), or (B, L, H, R, P) with R ranks, with "
-                         f"L >= 1, got {tuple(x.shape)}")
-    if q.shape != k.shape or q.shape[:-1] != x.shape[:-1]:
-        raise ValueError(f"ssd: q and k must be {tuple(x.shape[:-1]) + ('N',)}, as x without its "
-                         f"last dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
-        if t.shape != x.shape[:3]:
-            raise ValueError(f"ssd: {name} must be (B, L, H) = {tuple(x.shape[:3])}, got "
-                             f"{tuple(t.shape)}")
+    shapes = [tuple(t.shape) for t in (x, q, k, log_a, gamma, beta)]
+    if (x.dim() not in (4, 5) or x.shape[1] == 0 or q.shape != k.shape
+            or q.shape[:-1] != x.shape[:-1] or any(s != shapes[0][:3] for s in shapes[3:])):
+        raise ValueError(f"ssd: x must be (B, L >= 1, H, [R,] P), q and k (B, L, H, [R,] N), "
+                         f"log_a, gamma and beta (B, L, H); got {shapes}")
     _check_reset(reset, x.shape[0], x.shape[1], "ssd")
     if x.dim() == 4:  # SISO: the same scan with a rank axis of one
         if state is not None:
