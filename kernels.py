@@ -366,12 +366,10 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
 #
 # One program per (b, h) walks the chunks with the (P x N) float32 state on chip and saves the
-# state entering each chunk for the backward, which walks them in reverse with the state's gradient
-# G on chip; zxbcdt is read in place. A chunk is C rows, row i rank i % R of token i // R, so a MIMO
-# chunk of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted
-# once, on its first. Tiles (powers of 2, >= 16 for tl.dot): PP >= P, and N as its even and odd
-# dims, two of NH >= N / 2 (_qk). tl.constexpr: DT, every tl.dot's operand dtype (zxbcdt's), ACC,
-# that of cumsums, states and accumulators (float32, or float64), PREC, the products' precision.
+# state entering each; the backward walks them in reverse with the state's gradient G on chip. A
+# chunk is C rows (row i: rank i % R of token i // R), a token's scalars counted on its first row.
+# Tiles: PP >= P, and N as its even and odd dims, two of NH >= N / 2 (_qk). tl.constexpr: DT, the
+# dots' operand dtype (zxbcdt's), ACC, that of cumsums, states and accumulators; PREC: _mixer_tiles
 
 try:
     import triton
@@ -407,8 +405,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                  torch.float64: tl.float64}
     _PI = tl.constexpr(math.pi)
 
-    # A chunk's per-token scalars for one head, (C,) each in ACC (_scalars): a plain namedtuple,
-    # which Triton 3.6 to 3.9 all take in @triton.jit code.
+    # a chunk's per-token scalars for one head, (C,) each: a namedtuple, which jit code takes
     _Scalars = collections.namedtuple("_Scalars", "dt dsp lam dt_n dsp_n lam_n fA dfA A gamma w cs")
 
     @triton.jit
@@ -454,8 +451,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _in_bounds(valid, cols, ncols: tl.constexpr, TILE: tl.constexpr):
-        # rows `valid` x columns < ncols of a (C, TILE) block; the column test is left out when the
-        # tile has no padding (compile-time constants: the model's sizes are usually powers of 2)
+        # rows `valid` x columns < ncols of a (C, TILE) block (no column test without padding)
         mask = valid[:, None]
         if ncols != TILE:
             mask = mask & (cols < ncols)[None, :]
@@ -464,9 +460,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr, R: tl.constexpr,
                       HAS_RESET: tl.constexpr):
-        # chunk c's rows i: their tokens t, which exist, which are their token's first, their rows
-        # of zxbcdt; seg: the resets counted from the chunk's start through each row's token, start:
-        # the first row of the latest reset at or before it (zeros without resets)
+        # chunk c's rows i: tokens t, t < L, a token's first row, zxbcdt's rows; seg: the resets
+        # counted through each row's token, start: the first row of the latest one (else zeros)
         t = c * (C // R) + i // R
         valid, first = t < L, i % R == 0
         rows = zx_ptr + b * s_b + t * s_l
@@ -493,8 +488,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
-        # head h's dt = softplus(dd_dt + dt_bias) (0 past L: no decay, no input), softplus' and
-        # lam = sigmoid(trap) at the token rows
+        # head h's dt = softplus(dd_dt + dt_bias) (0 past L), softplus' and lam = sigmoid(trap)
         dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
         trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
         dt, dsp = _softplus(dd_dt + dt_bias)
@@ -560,8 +554,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # the running sum of v (C, NH) along the rows inside each segment, either way: a scan of
-        # (segment, sum) pairs (a product with the segment mask, an FMA-unit float32 dot, spilled)
+        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
+        # (a product with the segment mask, a float32 dot on FMA units, spilled)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -569,21 +563,20 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of rows as (the segment of their last row, their sum in it): seg never
-        # decreases, so the later segment is the larger; associative and commutative
+        # two ranges of rows as (their last row's segment, their sum in it): seg never decreases
         s = tl.maximum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _first_segment(s1, v1, s2, v2):
-        # the same for a backward scan: the segment of the ranges' first row
+        # the same for a backward scan (the first row's segment)
         s = tl.minimum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
-        # an (N,) parameter's even and odd entries, (NH,) each, read once a chunk (a loop-invariant
-        # tile would be hoisted out of the chunk loop and hold registers through it)
+        # an (N,) parameter's even and odd entries, read every chunk (a loop-invariant tile would
+        # be hoisted out of the loop and hold registers through it)
         m = j < N // 2
         even = tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC)
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
@@ -646,8 +639,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, j, N: tl.constexpr,
                      ACC: tl.constexpr):
-        # a turned q or k's gradient to the un-turned one's (the bias's) and the B or C row's:
-        # turn back, through the weight and the RMS norm, dx = rstd (dh - h mean(h dh))
+        # a turned q or k's gradient to the bias's and the B or C row's (dx = rstd (dh - h mean))
         we, wo = _pairs(w_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
@@ -678,7 +670,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             t, valid, first, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L,
                                                               i, C, R, HAS_RESET)
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
-            # the phases, and from them k and q (in DT: from here on they only feed dots)
+            # the phases, and from them k and q (in DT: they only feed dots)
             tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
             _, Phi = _phase(rows, valid, first, col_ang, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
@@ -809,10 +801,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             prow = dparam_ptr + (bh * nc + c) * (2 * R * N + 2 * N + 2)
             tl.store(prow + 2 * R * N + 2 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
-            # the scan's gradients, one product at a time
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            # and the D skip's share
             dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
             if R == 1:
                 tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
@@ -861,9 +851,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             _pairs_store(prow + 2 * R * N + N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0),
                          pm)
             _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
-            # the phases turn q and k; the last token's phase is also the next chunk's carry.
-            # dv_j = the sum of dPhi over the rows from j's token's first on, in j's segment
-            # (v = theta dt is what they add up)
+            # the last token's phase is also the next chunk's carry; dv_j (v = theta dt) sums dPhi
+            # over the rows from j's token on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
                 dv = _seg_cumsum(dPhi, seg, True)
@@ -873,9 +862,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dangle = dv * sc.dt[:, None] * _PI * (1.0 - th * th)
             tl.store(share + 2 * R * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
                      mask=(valid & first)[:, None] & (j < S)[None, :])
-            # the per-token scalars (right on each token's first row): log_a = A dt (cs is its
-            # running sum), gamma = lam dt, beta = (1 - lam) dt, theta dt in the phases;
-            # w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
+            # the per-token scalars, on each token's first row: log_a = A dt, gamma = lam dt,
+            # beta = (1 - lam) dt, theta dt; w_s = gamma_s + beta_{s+1}, so dbeta_s = dw_{s-1}
             dla = tl.cumsum(dcs, 0, reverse=True)
             # the scalars again (five loads a token): cheaper than holding them through the chunk
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
@@ -889,25 +877,22 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             d_dt += tl.sum(dv * _PI * th, axis=1)
             dlam = (dgamma - dbeta) * sc.dt
             d_dd_A = tl.where(sc.fA >= A_floor, -dla * sc.dt * sc.dfA, 0.0)
-            tl.store(g_rows + col_dt + H + h, d_dd_A.to(dzx_ptr.dtype.element_ty),
-                     mask=valid & first)
-            # the next chunk's first token, held back one iteration, now gets its beta term (dw at
-            # our last token)
+            ty = dzx_ptr.dtype.element_ty
+            tl.store(g_rows + col_dt + H + h, d_dd_A.to(ty), mask=valid & first)
+            # the next chunk's first token, held back one iteration, gets its beta term (our dw)
             dw_last = tl.sum(tl.where(tok == C // R - 1, dw, 0.0), axis=0)
             lam1, dt1 = _at(sc.lam_n, i, C - 1), _at(sc.dt_n, i, C - 1)
             t1 = (c + 1) * (C // R)
             d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _at(sc.dsp_n, i, C - 1)
             d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
-            ty = dzx_ptr.dtype.element_ty
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(ty), mask=t1 < L)
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + 2 * H + h, d_trap1.to(ty),
                      mask=t1 < L)
-            # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term
-            # before token 0)
+            # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0)
             d_dd_dt, d_trap = d_dt * sc.dsp, dlam * sc.lam * (1.0 - sc.lam)
             done = valid & first & ((i > 0) | (t < C // R))  # t < C / R: chunk 0
-            tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
-            tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
+            tl.store(g_rows + col_dt + h, d_dd_dt.to(ty), mask=done)
+            tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(ty), mask=done)
             tl.store(prow + 2 * R * N + 2 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
                      + tl.where(t1 < L, d_dd_dt1, 0.0))  # d dt_bias
             pend_dt, pend_lam = _at(d_dt, i, 0), _at(dlam, i, 0)
@@ -916,9 +901,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, R, H: tl.constexpr, G: tl.constexpr,
                    P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
                    NB: tl.constexpr, SB: tl.constexpr, ACC: tl.constexpr):
-        """dB, dC and dangle, the columns of dzxbcdt that several heads share: the sums of the
-        heads' shares in part (B, L, H, 2RN + S) (a group's heads for each rank of its B and C, all
-        heads for the angles), in a fixed order so the result is deterministic; grid (B, L / TB)."""
+        """dB, dC and dangle, the columns of dzxbcdt that heads share: the sums of their shares in
+        part (B, L, H, 2RN + S) in a fixed order, so deterministic; grid (B, L / TB)."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * TB + tl.arange(0, TB)
         nn, ss = tl.arange(0, NB), tl.arange(0, SB)
@@ -952,23 +936,18 @@ def _pow2(d, least=16):
 
 
 def _mixer_tiles(chunk_size, P, N, dtype, R=1):
-    """A mixer launch's compile-time constants for zxbcdt of `dtype`: the chunk C in rows
-    (chunk_size tokens of R ranks), tiles PP >= P and NH >= N / 2, DT, ACC and PREC. float32 takes
-    tf32 products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at
-    64 the sm_90 backward asks 224 KB of shared memory)."""
+    """A mixer launch's constexprs for zxbcdt of `dtype`. float32 takes tf32 products (true float32
+    ones run on FMA units, and spill) in chunks of <= 32 rows (at 64 sm_90 would need 224 KB)."""
     C = min(chunk_size * R, 32) if dtype == torch.float32 else chunk_size * R
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(C=C, R=R, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
-# What each kernel's tuner times besides its default launch options, by kernel and compute
-# capability major: options that leave every result bit as it is. Stages change when loads issue
-# and a register cap where values live, never the arithmetic; warps may change how tl.sum and
-# tl.cumsum split, so the mixer kernels keep theirs. Kept: the candidates that fit (at most a
-# quarter more spills, shared memory within every GPU of that major, Triton 3.6 to 3.9: python
-# tools/gpu_evidence.py compile --configs candidates); each costs a compile at a shape's first
-# launch.
+# What each kernel's tuner times besides its default launch options, by compute capability major:
+# options that leave every result bit as it is (stages and a register cap never change the
+# arithmetic; warps may change how tl.sum splits, so the mixer kernels keep theirs), of the
+# candidates that fit (tools/gpu_evidence.py compile --configs candidates). Each costs a compile.
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
@@ -976,12 +955,10 @@ _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stage
 
 
 def _launch_configs(kernel, major, tiles):
-    """The launch options kernel's tuner times on a GPU of compute capability major.x, the default
-    first (the interpreter's, major 0, takes it alone). Registers limit the mixer kernels (a (P, N)
-    float32 state plus the chunk's blocks): 8 warps for wide tiles, and num_stages=1 issues no loads
-    early. The backward on sm_8x is capped at 255 registers (fewer spills than ptxas' own choice),
-    with 4 warps at 64-row chunks (Triton lays every product's rows over all warps). Not on sm_90,
-    where the cap spills more. Figures: tools/gpu_evidence.py compile."""
+    """The launch options kernel's tuner times on compute capability major.x, the default first
+    (the interpreter, major 0, takes it alone). Registers limit the mixer kernels: 8 warps for wide
+    tiles, no early loads; the backward on sm_8x (not sm_90) spills less capped at 255 registers,
+    and at 4 warps for 64-row chunks. Figures: tools/gpu_evidence.py compile."""
     if kernel == "_sum_heads":
         base = {"num_warps": 4, "num_stages": 3}
     else:
@@ -1003,9 +980,8 @@ def _time(launch):
 
 
 def _tuned(kernel, grid):
-    """kernel[grid] as a function that launches it in the fastest of its _launch_configs, timed on
-    each device at the first launch of each shape (constexprs) on its own arguments: the kernels
-    only store to their outputs, so the timing runs leave what one run leaves."""
+    """kernel[grid] launched in the fastest of its _launch_configs, timed at a shape's first launch
+    on each device, on its own arguments (the kernels only store: timing leaves one run's)."""
     def launch(*args, **constexprs):
         major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
         configs = _launch_configs(kernel.fn.__name__, major, constexprs)
@@ -1017,8 +993,8 @@ def _tuned(kernel, grid):
     return launch
 
 
-# The most shared memory a block of the backward asks, KiB, over Triton 3.6 to 3.9 and sm_80 to
-# sm_90 (tools/gpu_evidence.py compile): float32 up to 160 (Triton 3.7), more than sm_86/89 give
+# The most shared memory (KiB) a backward block asks over Triton 3.6-3.9 and sm_80-sm_90 (float32:
+# 160 under Triton 3.7, more than sm_86/89 give)
 _SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
@@ -1074,8 +1050,7 @@ def _chunks(L, tiles):
 
 
 def _setup(zxbcdt, B_bias, sizes, mimo, reset):
-    """What a launch needs: the shapes (_mixer_shapes), tiles, chunks nc, accumulator dtype, zxbcdt
-    with a unit stride, the mimo vectors (None for SISO) and reset as bytes."""
+    """The shapes, tiles, chunks, accumulator dtype, zxbcdt, mimo vectors and reset of a launch."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
@@ -1085,8 +1060,8 @@ def _setup(zxbcdt, B_bias, sizes, mimo, reset):
 
 
 def _halves(states, tiles):
-    # a descriptor moving one (PP, NH) half of a saved state a load or store: a pointer store from
-    # the matmul's register layout would hold ~100 more registers a thread (TMA on Hopper)
+    # a descriptor for (PP, NH) halves of the saved states: a pointer store from the matmul's
+    # layout would hold ~100 more registers a thread (TMA on Hopper)
     PP, NH = tiles["PP"], tiles["NH"]
     return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
@@ -1215,8 +1190,7 @@ if triton is not None:
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
-    """mixer_torch's region (without a decoding state) through the custom op mamba3::mixer_fwd:
-    _mixer_fwd forward, _mixer_bwd and _sum_heads backward. Returns out (B, L, H*P)."""
+    """mixer_torch's out (without a decoding state) from the custom op mamba3::mixer_fwd."""
     torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
     if triton is None:
         raise RuntimeError(f"mixer: impl='triton' needs Triton, which does not import here (it "
@@ -1264,11 +1238,9 @@ def _check_reset(reset, B, L, what):
 
 
 def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
-    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes): y shaped as x,
-    in x's dtype, and the final state (S, k_prev, x_prev). impl: "recurrent" (the oracle), "torch"
-    (the chunked form) or "auto": "torch" unless MAMBA3_IMPL says "recurrent". The scan has no
-    Triton kernel of its own (Triton runs it fused into the mixer region), so impl="triton" is
-    refused and MAMBA3_IMPL=triton leaves it on the chunked form."""
+    """The scan (the module docstring's shapes): y as x, and the final state (S, k_prev, x_prev).
+    impl: "recurrent", "torch" (chunked) or "auto" ("torch" unless MAMBA3_IMPL says "recurrent").
+    Triton runs the scan only inside the mixer region: impl="triton" is refused here."""
     if impl == "triton":
         raise ValueError("ssd: the scan alone has no Triton kernel (Triton runs it inside the "
                          "mixer region: mixer(impl='triton')); use impl='torch' or 'recurrent'")
@@ -1295,12 +1267,10 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
           mimo=None):
     """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state).
 
-    impl: "recurrent" or "torch" (mixer_torch, its scan so), "triton" (mixer_triton), or "auto":
-    Triton for CUDA tensors when it imports, else torch; MAMBA3_IMPL overrides "auto". With a
-    decoding state (Phi, S, k_prev, x_prev), which the fused kernels do not take, "triton" runs
-    mixer_torch with the chunked scan and the state after the last token comes back (else None).
-    mimo: None (SISO) or (mimo_x, mimo_z, mimo_o), on every path. Where the fused kernels cannot
-    run (fused_refusal), "auto" takes the PyTorch path with a warning and "triton" refuses."""
+    impl: "recurrent" or "torch" (mixer_torch), "triton" (mixer_triton), or "auto": Triton for CUDA
+    tensors when it imports, else torch; MAMBA3_IMPL overrides "auto". With a decoding state,
+    "triton" runs mixer_torch's chunked scan. Where the fused kernels cannot run (fused_refusal),
+    "auto" takes the PyTorch path with a warning and "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
     why = impl == "triton" and asked is None and fused_refusal(zxbcdt)
