@@ -2,36 +2,32 @@
 form) and the mixer region, in_proj's output to out_proj's input, two ways (`mixer_torch`, readable;
 `mixer_triton`, fused Triton kernels that run the scan inside them; `mixer` picks).
 
-The scan, per batch element b and head h, with S the (P x N) state and R ranks (MIMO; R = 1 is
-SISO): token t brings R inputs, keys and queries, the rows of X_t (R x P), K_t, Q_t (R x N); the
-state takes the sum of their rank-1 updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and
-every rank reads it:
+The scan, per batch element and head, with S the (P x N) state and R ranks (MIMO; R = 1 is SISO):
+token t brings the rows of X_t (R x P), K_t, Q_t (R x N); the state takes the sum of their rank-1
+updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and every rank reads it:
 
     S_t = exp(log_a_t) * (S_{t-1} + beta_t * X_{t-1}^T K_{t-1}) + gamma_t * X_t^T K_t
     Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
 x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
-beta (B, L, H). The state in and out is (S (B, H, P, N) float32, k_prev, x_prev: the last token's
-k's and x's), what a continuation call or a decoder needs. reset (B, L) bool marks document starts:
-the state entering a marked t is zero (S_{t-1}, X_{t-1}, K_{t-1} count as 0).
+beta (B, L, H). The state in and out: (S (B, H, P, N) float32, the last token's k's and x's).
+reset (B, L) bool marks document starts: the state entering a marked t is zero.
 
 The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
-i // R, whose cs, w, gamma and seg it takes); inside a chunk let cs_i be the running sum of log_a up
-to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice: with its own
-gamma now and with the next token's beta one step later). Then, with Sin the state entering it,
+i // R, whose scalars it takes); inside a chunk let cs_i be the running sum of log_a up to token i,
+and w_s = gamma_s + beta_{s+1} (token s's input enters the state now with gamma_s and one step
+later with the next token's beta). Then, with Sin the state entering the chunk,
 
     Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j's token before i's),
     Sout = a Sin + (X * u)^T K                        gamma_i (one token: a full R x R block)
 
-with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), and W = 0 above
-its block diagonal. (The state carried between chunks already holds the next token's beta term;
-only the state after the sequence's last token is the true S.) A reset cuts a chunk into segments:
-seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs seg_i ==
-seg_j, e_i seg_i == 0, f_j seg_j == seg_last, a seg_last == 0. Only masks; never a -inf in a cumsum.
+with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), W = 0 above its
+block diagonal. (The state carried between chunks already holds the next token's beta term.) A
+reset cuts a chunk into segments: seg_i counts the resets up to i, and every decay that would cross
+one is zero: W_ij needs seg_i == seg_j, e_i seg_i == 0, f_j seg_j == seg_last, a seg_last == 0.
 
 The mixer region. in_proj's output splits, per token, into z, x (H*P each) | B, C (R*G*N each: R
-ranks outermost of G groups, shared by the H/G heads of a group) | dd_dt, dd_A, trap (H each) |
-angle (S).
+ranks outermost of G groups, shared by a group's heads) | dd_dt, dd_A, trap (H each) | angle (S).
 
     dt = softplus(dd_dt + dt_bias),  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
     log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
@@ -40,10 +36,9 @@ angle (S).
     x_r = x * mimo_x[h, r],  z_r = z * mimo_z[h, r]               (MIMO; SISO: x_1 = x, z_1 = z)
     out = sum_r mimo_o[h, r] * (y_r + D x_r) * silu(z_r)          (SISO: mimo_o = 1)
 
-with y = ssd(x_r, q_r, k_r, log_a, gamma, beta); the biases are (H, R, N) ((H, N) for SISO), the
-mimo vectors (H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i (the
-same for every rank); the other N - 2S dims pass. A decoding cache keeps the last token's R k's and
-its x, not the x_r: the next call lifts it again.
+with y = ssd(x_r, q_r, k_r, log_a, gamma, beta), biases (H, R, N) ((H, N) for SISO), mimo vectors
+(H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by Phi_i; the other dims pass. A
+decoding cache keeps the last token's R k's and its x (not the x_r).
 """
 import collections
 import math
@@ -78,7 +73,7 @@ def _final_state(S, x, k):
 
 
 # -----------------------------------------------------------------------------
-# the recurrence: the oracle
+# the scan in PyTorch: the recurrence (the oracle) and the chunked form
 
 
 def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
@@ -105,10 +100,6 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
         ys.append(y)
         k_prev, x_prev = kc[:, t], xc[:, t]
     return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
-
-
-# -----------------------------------------------------------------------------
-# the chunked form in PyTorch
 
 
 def decay_matrix(cs, same=None):
@@ -388,7 +379,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # Under TRITON_INTERPRET=1 (read at import, when the kernels are decorated) they run as numpy
-    # on CPU tensors, as the tests run them (no bfloat16 arithmetic there: see _operands).
+    # on CPU tensors, as the tests run them (no bfloat16 arithmetic there: see _dot).
     _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     _INTERPRETED = tl.constexpr(_INTERPRET)
     if _INTERPRET and _version(triton.__version__) < (3, 7):
@@ -409,9 +400,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     _Scalars = collections.namedtuple("_Scalars", "dt dsp lam dt_n dsp_n lam_n fA dfA A gamma w cs")
 
     @triton.jit
-    def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a product's operands in DT; PREC "ieee" or "tf32" (tensor cores read 10 of float32's 23
-        # mantissa bits). Under the interpreter (numpy) bf16 goes to float32 and tf32 loses 13 bits
+    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, acc=None):
+        # a b (+ acc, which must not be a product: that gets a costlier layout on GPUs) in float32
+        # (float64 for float64 operands) from operands in DT; PREC "ieee" or "tf32" (tensor cores
+        # read 10 of float32's 23 mantissa bits). Under the interpreter (numpy) bf16 goes to float32
+        # and tf32 loses 13 bits, as on a GPU
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -419,20 +412,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             cut = 0xFFFFE000
             a = (a.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
             b = (b.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
-        return a, b
-
-    @triton.jit
-    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a b in float32 (float64 for float64 operands)
-        a, b = _operands(a, b, DT, PREC)
-        return tl.dot(a, b, input_precision=PREC)
-
-    @triton.jit
-    def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-        # acc + a b, for an acc that is not a product (one gets a costlier layout on GPUs);
-        # out_dtype, since Triton 3.6 would assume float32
-        a, b = _operands(a, b, DT, PREC)
-        return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        if acc is None:
+            ab = tl.dot(a, b, input_precision=PREC)
+        else:  # out_dtype: Triton 3.6 would assume float32
+            ab = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        return ab
 
     @triton.jit
     def _at(v, i, k):
@@ -478,20 +462,17 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.maximum(a, b)
 
     @triton.jit
-    def _softplus(v):
-        # softplus(v) and sigmoid(v), as torch (the identity above 20); log1p(x) as log(1 + x) x /
-        # ((1 + x) - 1), accurate where 1 + x rounds (dt is often ~1e-3)
+    def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
+        # head h's dt = softplus(dd_dt + dt_bias) (0 past L), softplus' and lam = sigmoid(trap);
+        # softplus as torch's (the identity above 20), log1p(x) as log(1 + x) x / ((1 + x) - 1),
+        # accurate where 1 + x rounds (dt is often ~1e-3)
+        dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
+        trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
+        v = dd_dt + dt_bias
         ex = tl.exp(tl.minimum(v, 20.0))
         one = 1.0 + ex
         log1p = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))
-        return tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
-
-    @triton.jit
-    def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
-        # head h's dt = softplus(dd_dt + dt_bias) (0 past L), softplus' and lam = sigmoid(trap)
-        dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
-        trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
-        dt, dsp = _softplus(dd_dt + dt_bias)
+        dt, dsp = tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
         return tl.where(valid, dt, 0.0), dsp, 1.0 / (1.0 + tl.exp(-trap))
 
     @triton.jit
@@ -661,8 +642,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        Se, So = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
-        carry = tl.zeros((NH,), ACC)
+        Se, So, carry = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC), tl.zeros((NH,), ACC)
         col_ang = 2 * H * P + 2 * R * G * N + 3 * H
         # each row's rank of its head's group's B; its C is R*G*N columns later
         col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
@@ -732,10 +712,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        Ge, Go = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
-        dcarry = tl.zeros((NH,), ACC)
-        zero = tl.zeros_like(dt_bias)
-        pend_dt, pend_lam = zero, zero
+        Ge, Go, dcarry = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC), tl.zeros((NH,), ACC)
+        pend_dt, pend_lam = tl.zeros_like(dt_bias), tl.zeros_like(dt_bias)
         col_dt = 2 * H * P + 2 * R * G * N
         col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
         width = 2 * R * N + S  # of a row of part
@@ -771,7 +749,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
-            Y = _dot_acc(MS, X, D * X.to(ACC), DT, PREC) + e[:, None] * QS  # with the D skip
+            Y = _dot(MS, X, DT, PREC, D * X.to(ACC)) + e[:, None] * QS  # with the D skip
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :],
                            mask=xz_mask, other=0.0).to(ACC)
@@ -803,7 +781,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dcs = e * tl.sum(dY * QS, axis=1)
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
+            dX = _dot(tl.trans(MS), dY, DT, PREC, D * dY) + f[:, None] * KGt
             if R == 1:
                 tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             else:  # x and mimo_x read again: cheaper than held through the chunk
@@ -1027,10 +1005,6 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=N
         raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
                          f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
                          f"impl='torch' (MAMBA3_IMPL=torch) for other ranks")
-    bias = (H, N) if mimo is None else (H, R, N)
-    if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
-        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors {(H, R, P)}, got "
-                         f"{tuple(B_bias.shape)} and {[tuple(m.shape) for m in mimo or ()]}")
     width = sum(split_sizes(H, P, G, N, S, R))
     if (zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width
             or zxbcdt.dtype not in _TL_DTYPE):
