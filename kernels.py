@@ -88,17 +88,15 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
     """The recurrence, one token at a time (ranked shapes): slow, the ground truth."""
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     S, k_prev, x_prev = _initial_state(state, x, k, dtype)
-    xc, qc, kc = x.to(dtype), q.to(dtype), k.to(dtype)
-    la, g, b = log_a.to(dtype), gamma.to(dtype), beta.to(dtype)
+    inputs = [t.to(dtype) for t in (x, q, k, log_a, gamma, beta)]
     ys = []
     for t in range(x.shape[1]):
         if reset is not None:  # a document starts at t: nothing before it reaches it
             keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # (B, 1, 1, 1)
             S, k_prev, x_prev = S * keep, k_prev * keep, x_prev * keep
-        y, S = recurrent_step(S, k_prev, x_prev, xc[:, t], qc[:, t], kc[:, t], la[:, t], g[:, t],
-                              b[:, t])
+        y, S = recurrent_step(S, k_prev, x_prev, *(v[:, t] for v in inputs))
         ys.append(y)
-        k_prev, x_prev = kc[:, t], xc[:, t]
+        k_prev, x_prev = inputs[2][:, t], inputs[0][:, t]
     return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
 
 
@@ -163,8 +161,7 @@ class ChunkedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
         # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
-        b, CR, P = X.shape
-        BH, _, N = Sin0.shape
+        (b, CR, P), (BH, _, N) = X.shape, Sin0.shape
         nc, R = b // BH, CR // cs.shape[1]
         e, f, a, same = _segment_decays(cs, seg)
         # what each chunk adds to the state (its last w already holds the next beta)
@@ -240,17 +237,14 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
         beta0 = beta[:, 0, :, None, None, None].to(dtype)
         Sin0 = S0 + (beta0 * x_prev[..., :, None] * k_prev[..., None, :]).sum(2)  # (B, H, P, N)
-        # pad to whole chunks with tokens that change nothing, then chunk-major: (B, L, H, R, D) ->
-        # (B*H*nc, C*R, D)
-        pad = (-L) % C
-        nc = (L + pad) // C
+        # padded to whole chunks with tokens that change nothing, then chunk-major:
+        # (B, L, H, R, D) -> (B*H*nc, C*R, D)
+        pad, nc = (-L) % C, -(-L // C)
 
         def chunks(t):
             t = F.pad(t.to(dtype), (0, 0) * 3 + (0, pad)) if pad else t.to(dtype)
-            r = t.shape[3]
-            t = t.view(B, nc, C, H, r, -1).permute(0, 3, 1, 2, 4, 5)
-            return t.reshape(B * H * nc, C * r, -1)
-
+            t = t.view(B, nc, C, H, t.shape[3], -1).permute(0, 3, 1, 2, 4, 5)
+            return t.reshape(B * H * nc, -1, t.shape[-1])
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C*R, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None, None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
@@ -314,8 +308,7 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G = headdim, ngroups
     Bsz, L, _ = zxbcdt.shape
-    sizes = split_sizes(H, P, G, N, n_angles, R)
-    z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(zxbcdt, sizes, dim=-1)
+    z, x, Bm, Cm, dd_dt, dd_A, trap, angle = zxbcdt.split(split_sizes(H, P, G, N, n_angles, R), -1)
     dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
     dd_A = _f32(dd_A)
     # A = -max(f(dd_A), A_floor) with the heavy-tailed f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0)
@@ -326,9 +319,8 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     # data-dependent rotary phases, accumulated per head and kept in [0, 2 pi)
     theta = math.pi * torch.tanh(_f32(angle))  # (B, L, S)
     phi0 = None if state is None else state[0]
-    phi = phases(theta[:, :, None, :] * dt[..., None], reset, phi0)  # (B, L, H, S)
-    phi = torch.remainder(phi, 2 * math.pi)
-    phi_r = phi[:, :, :, None]  # the same phases for every rank
+    phi = torch.remainder(phases(theta[:, :, None, :] * dt[..., None], reset, phi0), 2 * math.pi)
+    phi_r = phi[:, :, :, None]  # (B, L, H, 1, S): the same phases for every rank
     # B and C (R ranks of G groups, rank outermost): RMS-normalised per rank and group, per-head
     # biases, rotated; in float32, as the fused kernels (bf16 in, float32 statistics)
     Bn = F.rms_norm(_f32(Bm).view(Bsz, L, R, G, N), (N,), B_norm_weight, eps).transpose(2, 3)
@@ -341,13 +333,11 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     lift = lambda t, m: t if m is None else t * m.to(t.dtype)  # noqa: E731
     x, z = x.view(Bsz, L, H, 1, P), z.view(Bsz, L, H, 1, P)
     v, z = lift(x, mimo_x), lift(z, mimo_z)  # (B, L, H, R, P)
-    scan_state = None
-    if state is not None:  # the cache holds the last token's x: its inputs are lifted again
-        scan_state = (state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
+    scan_state = None if state is None else (  # the cache holds x: its inputs are lifted again
+        state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
     y, final = ssd(v, q, k, log_a, gamma, beta, scan_state, chunk_size, impl, reset)
     y = (y + D[:, None, None].to(y.dtype) * v) * F.silu(z)  # (B, L, H, R, P)
-    out = y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)  # sum_r mimo_o[h, r] y_r
-    out = out.reshape(Bsz, L, -1)
+    out = (y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)).reshape(Bsz, L, -1)
     if state is None:
         return out, None
     return out, (phi[:, -1], final[0], final[1].view_as(state[2]), x[:, -1, :, 0])
