@@ -525,23 +525,17 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
-        # (a product with the segment mask, a float32 dot on FMA units, spilled)
-        segs = tl.broadcast_to(seg[:, None], v.shape)
+        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs,
+        # the segments negated backwards (a product with the segment mask, a float32 dot, spilled)
         if REVERSE:
-            return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
-        return tl.associative_scan((segs, v), 0, _last_segment)[1]
+            seg = -seg
+        segs = tl.broadcast_to(seg[:, None], v.shape)
+        return tl.associative_scan((segs, v), 0, _last_segment, reverse=REVERSE)[1]
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of rows as (their last row's segment, their sum in it): seg never decreases
+        # two ranges of rows as (the later one's segment, their sum in it): segments only grow
         s = tl.maximum(s1, s2)
-        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
-
-    @triton.jit
-    def _first_segment(s1, v1, s2, v2):
-        # the same for a backward scan (the first row's segment)
-        s = tl.minimum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
@@ -608,14 +602,19 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return turned_e, tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
 
     @triton.jit
-    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, j, N: tl.constexpr,
+    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, dbias, dweight, share, mask, j,
+                     N: tl.constexpr, C: tl.constexpr, R: tl.constexpr, NH: tl.constexpr,
                      ACC: tl.constexpr):
-        # a turned q or k's gradient to the bias's and the B or C row's (dx = rstd (dh - h mean))
+        # from a turned q or k's gradient, stores the bias's and norm weight's (the chunk's sums)
+        # and the B or C row's share (dx = rstd (dh - h mean(h dh)))
         we, wo = _pairs(w_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
         mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
-        return dve, dvo, rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
+        dxe, dxo = rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
+        _bias_store(dbias, dve, dvo, j, N, C, R, NH)
+        _pairs_store(dweight + 2 * j, tl.sum(dve * he, 0), tl.sum(dvo * ho, 0), j < N // 2)
+        _pairs_store(share + 2 * j[None, :], dxe, dxo, mask)
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -800,25 +799,19 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # a turned pair moves as (-v1, v0): dPhi = dv1 v0 - dv0 v1 (Kw, dKw give k's)
             dPhi = dKo * Kwe - dKe * Kwo
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
-            dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, j, N, ACC)
-            pm = j < N // 2
-            _bias_store(prow, dke, dko, j, N, C, R, NH)
-            _pairs_store(prow + 2 * R * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
             # (rank * N: each rank's columns; 0 on the first rows, which write the angles)
             share = part_ptr + (((b * L + t) * H + h) * width + rank * N)[:, None]
             nm = _in_bounds(valid, j, N // 2, NH)
-            _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
+            _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, prow, prow + 2 * R * N, share,
+                         nm, j, N, C, R, NH, ACC)
             # q likewise, and the state's gradient for the chunk before
             dQe = _dot(dMM.to(DT), Kwe, DT, PREC) + e[:, None] * _dot(dY, Se, DT, PREC)
             dQo = _dot(dMM.to(DT), Kwo, DT, PREC) + e[:, None] * _dot(dY, So, DT, PREC)
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
             dPhi += dQo * Qe - dQe * Qo
-            dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, j, N, ACC)
-            _bias_store(prow + R * N, dqe, dqo, j, N, C, R, NH)
-            _pairs_store(prow + 2 * R * N + N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0),
-                         pm)
-            _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
+            _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, prow + R * N,
+                         prow + 2 * R * N + N, share + R * N, nm, j, N, C, R, NH, ACC)
             # the last token's phase is also the next chunk's carry; dv_j (v = theta dt) sums dPhi
             # over the rows from j's token on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
@@ -1156,13 +1149,11 @@ def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, 
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
     """mixer_torch's out (without a decoding state) from the custom op mamba3::mixer_fwd."""
     torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
-    if triton is None:
-        raise RuntimeError(f"mixer: impl='triton' needs Triton, which does not import here (it "
-                           f"ships for Linux); {torch_path}")
-    if _version(triton.__version__) < TRITON_NEEDED:
+    if triton is None or _version(triton.__version__) < TRITON_NEEDED:
+        found = f"found Triton {triton.__version__}" if triton else "none imports (Linux only)"
         need = ".".join(map(str, TRITON_NEEDED))
-        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but found Triton "
-                           f"{triton.__version__}; upgrade it, or {torch_path}")
+        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but {found}; install or "
+                           f"upgrade it, or {torch_path}")
     if why := fused_refusal(zxbcdt):
         raise RuntimeError(f"mixer: impl='triton' cannot run here: {why}; {torch_path}")
     if not zxbcdt.is_cuda and not _INTERPRETED:
@@ -1238,12 +1229,10 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
     why = impl == "triton" and asked is None and fused_refusal(zxbcdt)
-    if why:
-        # one line, the first time (a warning inside a torch.compile trace would break the graph)
-        if not torch.compiler.is_compiling():
-            warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses "
-                          f"that without this note)", stacklevel=2)
-        impl = "torch"
+    if why and not torch.compiler.is_compiling():  # (a warning in a compile trace breaks the graph)
+        warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
+                      f"without this note)", stacklevel=2)
+    impl = "torch" if why else impl
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
