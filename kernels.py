@@ -300,10 +300,9 @@ def split_sizes(H, P, G, N, S, R=1):
 def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None,
                 impl="torch", mimo=None):
-    """The mixer region in PyTorch ops, the scan through ssd(impl=impl): zxbcdt (B, L, 2HP + 2RGN
-    + 3H + S) -> (out (B, L, H*P) in zxbcdt's dtype, state). mimo: None (SISO) or (mimo_x, mimo_z,
-    mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S, k_prev (B, H, [R,] N), x_prev
-    (B, H, P)), which comes back after the last token (None without)."""
+    """The mixer region in PyTorch ops (scan: ssd(impl=impl)) -> (out (B, L, H*P), state). mimo:
+    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None or a decoding cache (Phi (B, H, S), S,
+    k_prev (B, H, [R,] N), x_prev (B, H, P)), returned after the last token (None without)."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G = headdim, ngroups
@@ -368,13 +367,11 @@ def _version(v):
 if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # Under TRITON_INTERPRET=1 (read at import, when the kernels are decorated) they run as numpy
-    # on CPU tensors, as the tests run them (no bfloat16 arithmetic there: see _dot).
+    # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
     _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     _INTERPRETED = tl.constexpr(_INTERPRET)
     if _INTERPRET and _version(triton.__version__) < (3, 7):
-        # Triton 3.6's interpreter takes int() of a one-element 1-d array for a loop bound, which
-        # NumPy now refuses; 3.7 squeezes the array first, as this does.
+        # Triton 3.6's interpreter takes int() of a 1-element array for a loop bound (NumPy refuses)
         from triton.runtime import interpreter as _interpreter
 
         def _patch_lang_tensor(tensor, scope, patch=_interpreter._patch_lang_tensor):
@@ -391,10 +388,9 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, acc=None):
-        # a b (+ acc, which must not be a product: that gets a costlier layout on GPUs) in float32
-        # (float64 for float64 operands) from operands in DT; PREC "ieee" or "tf32" (tensor cores
-        # read 10 of float32's 23 mantissa bits). Under the interpreter (numpy) bf16 goes to float32
-        # and tf32 loses 13 bits, as on a GPU
+        # a b (+ acc, not a product: that gets a costlier layout) from operands in DT; PREC "ieee"
+        # or "tf32" (tensor cores read 10 of float32's 23 mantissa bits). The interpreter (numpy)
+        # gets bf16 as float32 and tf32 with 13 bits cut, as on a GPU
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -412,11 +408,6 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     def _at(v, i, k):
         # v's entry at row k, as a scalar (v: (C,))
         return tl.sum(tl.where(i == k, v, 0), axis=0)
-
-    @triton.jit
-    def _by_token(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
-        # (C, W) rows -> (C / R, W): each token's sum over its R rows
-        return tl.sum(tl.reshape(v, (C // R, R, W)), 1)
 
     @triton.jit
     def _by_rank(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
@@ -454,8 +445,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
         # head h's dt = softplus(dd_dt + dt_bias) (0 past L), softplus' and lam = sigmoid(trap);
-        # softplus as torch's (the identity above 20), log1p(x) as log(1 + x) x / ((1 + x) - 1),
-        # accurate where 1 + x rounds (dt is often ~1e-3)
+        # log1p(x) as log(1 + x) x / ((1 + x) - 1), accurate where 1 + x rounds (dt ~1e-3)
         dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
         trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
         v = dd_dt + dt_bias
@@ -496,13 +486,6 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return decay, e, f, a
 
     @triton.jit
-    def _scaled_weights(decay, gamma, w, tok):
-        """M, the weights for k's rows scaled by w (Kw = w k): decay between tokens, gamma / w
-        within one, so M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw: W (a (C, C) tile
-        times a row vector, whose extra tile spilled on GPUs) is never built."""
-        return tl.where(tok[:, None] == tok[None, :], _over_w(gamma, w)[:, None], decay)
-
-    @triton.jit
     def _over_w(v, w):
         # v / w where w > 0, else 0 (there v = 0 too, or what it feeds is multiplied by 0)
         return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
@@ -540,8 +523,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
-        # an (N,) parameter's even and odd entries, read every chunk (a loop-invariant tile would
-        # be hoisted out of the loop and hold registers through it)
+        # an (N,) parameter's even and odd entries (read each chunk: a hoisted tile holds registers)
         m = j < N // 2
         even = tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC)
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
@@ -555,7 +537,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _token_store(ptr, s_l, c, L, p, v, P: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                      PP: tl.constexpr):
-        # v (C / R, PP), one row per token of chunk c, to ptr + t s_l + p
+        # v (C, PP) summed over each token's R rows, to ptr + t s_l + p for chunk c's tokens t
+        v = tl.sum(tl.reshape(v, (C // R, R, PP)), 1)
         t = c * (C // R) + tl.arange(0, C // R)
         tl.store(ptr + t[:, None] * s_l + p[None, :], v.to(ptr.dtype.element_ty),
                  mask=_in_bounds(t < L, p, P, PP))
@@ -567,23 +550,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_store(ptr, dve, dvo, j, N: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                    NH: tl.constexpr):
-        # a bias's gradient, the chunk's rows summed per rank, to ptr (R, N)
-        if R == 1:
-            _pairs_store(ptr + 2 * j, tl.sum(dve, 0), tl.sum(dvo, 0), j < N // 2)
-        else:
-            ptrs = ptr + (tl.arange(0, R) * N)[:, None] + 2 * j[None, :]
-            _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
-                         (j < N // 2)[None, :])
-
-    @triton.jit
     def _qk(ptrs, valid, w_ptr, b_ptr, h, rank, j, cos, sin, eps, N: tl.constexpr, R: tl.constexpr,
             NH: tl.constexpr, ACC: tl.constexpr):
-        """k (ptrs: each row's B columns, then B's norm weight and bias) or q (C's) as even and odd
-        dims, (C, NH) each: RMSNorm, weight, the bias (H, R, N) of the row's rank, each pair turned
-        by its phase (pad rows 0); then the normalised dims and 1 / rms. Two strided loads, not one
-        (C, N) tile: a pair's halves then sit in one layout."""
+        """k (ptrs: each row's B, then B's norm weight and bias) or q (C's) as even and odd dims
+        (C, NH): RMSNorm, weight, the row's rank's bias, pairs turned (pad rows 0); then the normed
+        dims and 1 / rms. Two strided loads, not one (C, N) tile: a pair sits in one layout."""
         we, wo = _pairs(w_ptr, j, N, ACC)
         if R == 1:
             be, bo = _pairs(b_ptr + h * N, j, N, ACC)
@@ -612,7 +583,12 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
         mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
         dxe, dxo = rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
-        _bias_store(dbias, dve, dvo, j, N, C, R, NH)
+        if R == 1:
+            _pairs_store(dbias + 2 * j, tl.sum(dve, 0), tl.sum(dvo, 0), j < N // 2)
+        else:  # (R, N): each rank's sum
+            ptrs = dbias + (tl.arange(0, R) * N)[:, None] + 2 * j[None, :]
+            _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
+                         (j < N // 2)[None, :])
         _pairs_store(dweight + 2 * j, tl.sum(dve * he, 0), tl.sum(dvo * ho, 0), j < N // 2)
         _pairs_store(share + 2 * j[None, :], dxe, dxo, mask)
 
@@ -651,7 +627,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                          N, R, NH, ACC)[:2]
             Kwe, Kwo = (Ke * sc.w[:, None]).to(DT), (Ko * sc.w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
-            # the scan (in the scaled form of _scaled_weights), the D skip and the gate
+            # the scan, scaled: M o (Q Kw^T) = W o (Q K^T) with M decay between tokens, gamma / w
+            # within one, Kw = w k (W, a tile times a row vector, spilled); the D skip, the gate
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
             xz = rows[:, None] + h * P + p[None, :]
             xz_mask = _in_bounds(valid, p, P, PP)
@@ -663,7 +640,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             states.store([row, NH], So.to(DT))
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
-            MS = _scaled_weights(decay, sc.gamma, sc.w, tok) * scores
+            own = tok[:, None] == tok[None, :]
+            MS = tl.where(own, _over_w(sc.gamma, sc.w)[:, None], decay) * scores
             Y = _dot(MS, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
             Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
@@ -675,8 +653,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=xz_mask)
             else:  # sum_r mimo_o[h, r] y_r: a token from its R rows
-                out = _by_token(out * _lift(mo_ptr, h, rank, p, P, R, ACC), C, R, PP)
-                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p, out, P, C, R, PP)
+                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p,
+                             out * _lift(mo_ptr, h, rank, p, P, R, ACC), P, C, R, PP)
 
     @triton.jit
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -686,16 +664,13 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region backward, grid (B*H,), walking the chunks in reverse with G and the
-        phase carry's gradient on chip, each chunk recomputed from zxbcdt and the saved states and
-        phases. Writes head h's columns of dzxbcdt, its share of the shared ones (B, C, angles) to
-        part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) parameter gradient sums to
-        dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
-
-        ChunkedScan's gradients in the scaled form (Kw = w k, M, f for u): Rw = dM o M o (Q Kw^T)
-        and df = x . (Kw G^T) carry the w factors, so dw = (sum_l Rw_lj + df_j f_j) / w_j, dK =
-        w dKw. Token s's beta enters w at s - 1, in chunk c - 1 for a chunk's first token, which is
-        so written one iteration later (pend_*)."""
+        """The mixer region backward, grid (B*H,): the chunks in reverse, each recomputed, with G
+        and the phase carry's gradient on chip. Writes head h's columns of dzxbcdt, its share of the
+        shared ones to part (B, L, H, 2RN + S), per-chunk parameter gradient sums to dparam
+        (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P). ChunkedScan's gradients, scaled
+        (Kw = w k, M, f for u): Rw = dM o M o (Q Kw^T) and df = x . (Kw G^T) carry the w factors, so
+        dw = (sum_l Rw_lj + df_j f_j) / w_j, dK = w dKw. A chunk's first token's beta enters w in
+        chunk c - 1, so its gradients are written one iteration later (pend_*)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -734,7 +709,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
-            M = _scaled_weights(decay, sc.gamma, w, tok)
+            M = tl.where(tok[:, None] == tok[None, :], _over_w(sc.gamma, w)[:, None], decay)
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
@@ -760,8 +735,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             else:
                 tl.store(gm + R * P, _by_rank(dZ * z_in, C, R, PP), mask=(p < P)[None, :])
-                dz = _by_token(dZ * mz, C, R, PP)
-                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dz, P, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dZ * mz, P, C, R, PP)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
             # this chunk's row of dparam: [dB_bias | dC_bias (R*N each) | dB_norm_weight |
             # dC_norm_weight (N each) | d dt_bias | dD]
@@ -777,8 +751,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 x_in = tl.load(rows[:, None] + H * P + h * P + p[None, :], mask=xz_mask, other=0.0)
                 mx = _lift(mx_ptr, h, rank, p, P, R, ACC)
                 tl.store(gm, _by_rank(dX * x_in.to(ACC), C, R, PP), mask=(p < P)[None, :])
-                _token_store(dzx_ptr + b * sg_b + H * P + h * P, sg_l, c, L, p,
-                             _by_token(dX * mx, C, R, PP), P, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + (H + h) * P, sg_l, c, L, p, dX * mx, P, C, R, PP)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
             if R == 1:
@@ -812,8 +785,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dPhi += dQo * Qe - dQe * Qo
             _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, prow + R * N,
                          prow + 2 * R * N + N, share + R * N, nm, j, N, C, R, NH, ACC)
-            # the last token's phase is also the next chunk's carry; dv_j (v = theta dt) sums dPhi
-            # over the rows from j's token on, in j's segment
+            # the carry: the last token's phase; dv_j (v = theta dt): dPhi from j on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
                 dv = _seg_cumsum(dPhi, seg, True)
@@ -905,10 +877,9 @@ def _mixer_tiles(chunk_size, P, N, dtype, R=1):
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
-# What each kernel's tuner times besides its default launch options, by compute capability major:
-# options that leave every result bit as it is (stages and a register cap never change the
-# arithmetic; warps may change how tl.sum splits, so the mixer kernels keep theirs), of the
-# candidates that fit (tools/gpu_evidence.py compile --configs candidates). Each costs a compile.
+# What each kernel's tuner times besides its default, by compute capability major: options that
+# leave every result bit (stages and a register cap never change the arithmetic; warps may split
+# tl.sum differently), of those that fit (tools/gpu_evidence.py compile --configs candidates).
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
@@ -916,10 +887,9 @@ _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stage
 
 
 def _launch_configs(kernel, major, tiles):
-    """The launch options kernel's tuner times on compute capability major.x, the default first
-    (the interpreter, major 0, takes it alone). Registers limit the mixer kernels: 8 warps for wide
-    tiles, no early loads; the backward on sm_8x (not sm_90) spills less capped at 255 registers,
-    and at 4 warps for 64-row chunks. Figures: tools/gpu_evidence.py compile."""
+    """The launch options kernel's tuner times on compute capability major.x (0: the interpreter),
+    the default first. Registers limit the mixer kernels: 8 warps for wide tiles, no early loads;
+    the sm_8x backward spills less at 255 registers, 4 warps for 64-row chunks (gpu_evidence.py)."""
     if kernel == "_sum_heads":
         base = {"num_warps": 4, "num_stages": 3}
     else:
@@ -1017,8 +987,7 @@ def _setup(zxbcdt, B_bias, sizes, mimo, reset):
 
 
 def _halves(states, tiles):
-    # a descriptor for (PP, NH) halves of the saved states: a pointer store from the matmul's
-    # layout would hold ~100 more registers a thread (TMA on Hopper)
+    # (PP, NH) halves of saved states through a descriptor: ~100 fewer registers than pointers
     PP, NH = tiles["PP"], tiles["NH"]
     return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
@@ -1079,9 +1048,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
 
 
 if triton is not None:
-    # The fused region as two custom ops (forward, backward) with fake implementations and an
-    # autograd formula: torch.compile sees opaque calls with known output shapes. The mimo vectors
-    # come last, None for SISO (whose op then returns empty tensors for their gradients).
+    # The fused region as two custom ops with fake implementations and an autograd formula, opaque
+    # to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
     Tensor = torch.Tensor
     Mimo = Optional[Tensor]
 
@@ -1222,10 +1190,10 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
           mimo=None):
     """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state).
 
-    impl: "recurrent" or "torch" (mixer_torch), "triton" (mixer_triton), or "auto": Triton for CUDA
-    tensors when it imports, else torch; MAMBA3_IMPL overrides "auto". With a decoding state,
-    "triton" runs mixer_torch's chunked scan. Where the fused kernels cannot run (fused_refusal),
-    "auto" takes the PyTorch path with a warning and "triton" refuses."""
+    impl: "recurrent" or "torch" (mixer_torch), "triton" (mixer_triton; with a decoding state
+    mixer_torch's chunked scan), or "auto" (MAMBA3_IMPL, else Triton for CUDA tensors when it
+    imports). Where the fused kernels cannot run (fused_refusal), "auto" warns and takes the
+    PyTorch path, "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
     why = impl == "triton" and asked is None and fused_refusal(zxbcdt)
