@@ -1,6 +1,5 @@
-"""The Mamba-3 layer's math: the scan `ssd` (the token-by-token recurrence and the chunked PyTorch
-form) and the mixer region, in_proj's output to out_proj's input, two ways (`mixer_torch`, readable;
-`mixer_triton`, fused Triton kernels that run the scan inside them; `mixer` picks).
+"""The Mamba-3 layer's math: the scan `ssd` (recurrence and chunked form) and the mixer region, from
+in_proj's output to out_proj's input, in PyTorch (`mixer_torch`) and fused Triton (`mixer_triton`).
 
 The scan, per batch element and head, with S the (P x N) state and R ranks (MIMO; R = 1 is SISO):
 token t brings the rows of X_t (R x P), K_t, Q_t (R x N); the state takes the sum of their rank-1
@@ -10,8 +9,8 @@ updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and every rank reads 
     Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
 x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
-beta (B, L, H). The state in and out: (S (B, H, P, N) float32, the last token's k's and x's).
-reset (B, L) bool marks document starts: the state entering a marked t is zero.
+beta (B, L, H). The state in and out: (S (B, H, P, N) float32, the last token's k's and x's). reset
+(B, L) bool marks document starts: the state entering a marked t is zero.
 
 The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
 i // R, whose scalars it takes); inside a chunk let cs_i be the running sum of log_a up to token i,
@@ -37,8 +36,7 @@ ranks outermost of G groups, shared by a group's heads) | dd_dt, dd_A, trap (H e
     out = sum_r mimo_o[h, r] * (y_r + D x_r) * silu(z_r)          (SISO: mimo_o = 1)
 
 with y = ssd(x_r, q_r, k_r, log_a, gamma, beta), biases (H, R, N) ((H, N) for SISO), mimo vectors
-(H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by Phi_i; the other dims pass. A
-decoding cache keeps the last token's R k's and its x (not the x_r).
+(H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by Phi_i; the other dims pass.
 """
 import collections
 import math
@@ -305,8 +303,7 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     k_prev (B, H, [R,] N), x_prev (B, H, P)), returned after the last token (None without)."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
-    P, G = headdim, ngroups
-    Bsz, L, _ = zxbcdt.shape
+    (Bsz, L, _), P, G = zxbcdt.shape, headdim, ngroups
     z, x, Bm, Cm, dd_dt, dd_A, trap, angle = zxbcdt.split(split_sizes(H, P, G, N, n_angles, R), -1)
     dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
     dd_A = _f32(dd_A)
@@ -337,14 +334,12 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     y, final = ssd(v, q, k, log_a, gamma, beta, scan_state, chunk_size, impl, reset)
     y = (y + D[:, None, None].to(y.dtype) * v) * F.silu(z)  # (B, L, H, R, P)
     out = (y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)).reshape(Bsz, L, -1)
-    if state is None:
-        return out, None
-    return out, (phi[:, -1], final[0], final[1].view_as(state[2]), x[:, -1, :, 0])
+    return out, None if state is None else (phi[:, -1], final[0], final[1].view_as(state[2]),
+                                            x[:, -1, :, 0])
 
 
 # -----------------------------------------------------------------------------
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
-#
 # One program per (b, h) walks the chunks with the (P x N) float32 state on chip and saves the
 # state entering each; the backward walks them in reverse with the state's gradient G on chip. A
 # chunk is C rows (row i: rank i % R of token i // R), a token's scalars counted on its first row.
@@ -377,7 +372,6 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         def _patch_lang_tensor(tensor, scope, patch=_interpreter._patch_lang_tensor):
             patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
         _interpreter._patch_lang_tensor = _patch_lang_tensor
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
@@ -459,8 +453,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     def _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H: tl.constexpr,
                  G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
                  ACC: tl.constexpr):
-        """Head h's per-token scalars on the chunk's rows, an _Scalars: dt, softplus', lam and the
-        same for the next token (whose beta completes w), f(dd_A) and f', A, gamma, w and cs."""
+        """Head h's per-token scalars on the chunk's rows, an _Scalars (*_n: the next token's)."""
         col_dt = 2 * H * P + 2 * R * G * N
         dt, dsp, lam = _dt_lam(rows, valid, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dt_n, dsp_n, lam_n = _dt_lam(rows + s_l, t + 1 < L, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
@@ -475,8 +468,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _decays(cs, seg, start, i, tok, C: tl.constexpr):
-        """A chunk's decays, 0 across a reset: decay_ij = exp(cs_i - cs_j) (C, C) for j's token up
-        to i's in one segment (start_i <= j), e, f and a; exponents above the diagonal clamped."""
+        """decay_ij = exp(cs_i - cs_j) (C, C) for j's token up to i's, e, f, a; 0 across resets."""
         cs_last, seg_last = _at(cs, i, C - 1), _at(seg, i, C - 1)
         same = (tok[None, :] <= tok[:, None]) & (i[None, :] >= start[:, None])
         decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
@@ -493,8 +485,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _phase(rows, valid, first, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
                HAS_RESET: tl.constexpr):
-        """tanh(angle) (C, NH) (0 for the pairs j >= S) and the phases: the carry plus the running
-        sum of pi tanh(angle) dt over the chunk's tokens, both restarting at a reset."""
+        """tanh(angle) (C, NH) and the phases, carry + cumsum(pi tanh(angle) dt), reset-aware."""
         mask = valid[:, None] & (j < S)[None, :]
         ang = tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC)
         ex = tl.exp(-2.0 * tl.abs(ang))  # tanh without overflow
@@ -508,17 +499,23 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs,
-        # the segments negated backwards (a product with the segment mask, a float32 dot, spilled)
-        if REVERSE:
-            seg = -seg
+        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
+        # (a product with the segment mask, a float32 dot on FMA units, spilled)
         segs = tl.broadcast_to(seg[:, None], v.shape)
-        return tl.associative_scan((segs, v), 0, _last_segment, reverse=REVERSE)[1]
+        if REVERSE:
+            return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
+        return tl.associative_scan((segs, v), 0, _last_segment)[1]
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of rows as (the later one's segment, their sum in it): segments only grow
+        # two ranges of rows as (their last row's segment, their sum in it): seg never decreases
         s = tl.maximum(s1, s2)
+        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
+
+    @triton.jit
+    def _first_segment(s1, v1, s2, v2):
+        # the same for a backward scan (the first row's segment)
+        s = tl.minimum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
@@ -552,9 +549,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _qk(ptrs, valid, w_ptr, b_ptr, h, rank, j, cos, sin, eps, N: tl.constexpr, R: tl.constexpr,
             NH: tl.constexpr, ACC: tl.constexpr):
-        """k (ptrs: each row's B, then B's norm weight and bias) or q (C's) as even and odd dims
-        (C, NH): RMSNorm, weight, the row's rank's bias, pairs turned (pad rows 0); then the normed
-        dims and 1 / rms. Two strided loads, not one (C, N) tile: a pair sits in one layout."""
+        """k (from the rows' B, B's norm weight and bias) or q (C's) as even and odd dims (C, NH),
+        then the normed dims and 1 / rms (two strided loads, not one tile: a pair in one layout)."""
         we, wo = _pairs(w_ptr, j, N, ACC)
         if R == 1:
             be, bo = _pairs(b_ptr + h * N, j, N, ACC)
@@ -599,9 +595,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region forward, grid (B*H,): from head h's columns of zxbcdt, the parameters
-        and reset, out (B, L, H*P). Saves the state entering each chunk in DT (`states`, over
-        (B*H*nc*PP, 2NH): even state dims, then odd) and the phase entering it (B*H, nc, S)."""
+        """The mixer region forward, grid (B*H,), to out (B, L, H*P). Saves the state entering each
+        chunk in DT (`states`: (B*H*nc*PP, 2NH), even dims then odd) and its phase (B*H, nc, S)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
@@ -834,8 +829,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, R, H: tl.constexpr, G: tl.constexpr,
                    P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
                    NB: tl.constexpr, SB: tl.constexpr, ACC: tl.constexpr):
-        """dB, dC and dangle, the columns of dzxbcdt that heads share: the sums of their shares in
-        part (B, L, H, 2RN + S) in a fixed order, so deterministic; grid (B, L / TB)."""
+        """dB, dC and dangle: the heads' shares in part summed in a fixed order; grid (B, L/TB)."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * TB + tl.arange(0, TB)
         nn, ss = tl.arange(0, NB), tl.arange(0, SB)
@@ -930,8 +924,7 @@ _SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
 def fused_refusal(x):
-    """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None (also for
-    CPU tensors): mixer's "auto" then takes the PyTorch path, impl="triton" refuses."""
+    """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None."""
     if not x.is_cuda:
         return None
     gpu = torch.cuda.get_device_properties(x.device)
@@ -1013,8 +1006,7 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                     states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
                     mimo_x=None, mimo_z=None, mimo_o=None):
-    """Launch _mixer_bwd and _sum_heads: (dzxbcdt, then the gradients of dt_bias, B_norm_weight,
-    C_norm_weight, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o (empty for SISO))."""
+    """Launch _mixer_bwd, _sum_heads: dzxbcdt and the parameters' gradients (SISO mimo: empty)."""
     (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts, reset = _setup(
         zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -1030,9 +1022,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
                                dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
                                P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
-        TB = 32
-        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
-                                                      R, H=H, G=G, P=P, N=N, S=S, TB=TB,
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
+                                                      R, H=H, G=G, P=P, N=N, S=S, TB=32,
                                                       NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
     # the parameters' per-(b, h, chunk) sums added up; copies: a custom op's outputs may not alias
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
@@ -1175,8 +1166,7 @@ def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", res
                          f"log_a, gamma and beta (B, L, H); got {shapes}")
     _check_reset(reset, x.shape[0], x.shape[1], "ssd")
     if x.dim() == 4:  # SISO: the same scan with a rank axis of one
-        if state is not None:
-            state = (state[0], state[1][:, :, None], state[2][:, :, None])
+        state = None if state is None else (state[0], state[1][:, :, None], state[2][:, :, None])
         y, (S, k_last, x_last) = ssd(x[:, :, :, None], q[:, :, :, None], k[:, :, :, None], log_a,
                                      gamma, beta, state, chunk_size, impl, reset)
         return y[:, :, :, 0], (S, k_last[:, :, 0], x_last[:, :, 0])
