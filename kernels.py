@@ -569,11 +569,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return turned_e, tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
 
     @triton.jit
-    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, dbias, dweight, share, mask, j,
-                     N: tl.constexpr, C: tl.constexpr, R: tl.constexpr, NH: tl.constexpr,
-                     ACC: tl.constexpr):
-        # from a turned q or k's gradient, stores the bias's and norm weight's (the chunk's sums)
-        # and the B or C row's share (dx = rstd (dh - h mean(h dh)))
+    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, dbias, dweight, j, N: tl.constexpr,
+                     C: tl.constexpr, R: tl.constexpr, NH: tl.constexpr, ACC: tl.constexpr):
+        # from a turned q or k's gradient, stores the bias's and norm weight's (the chunk's sums);
+        # returns the B or C row's (dx = rstd (dh - h mean(h dh)))
         we, wo = _pairs(w_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
@@ -586,7 +585,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
                          (j < N // 2)[None, :])
         _pairs_store(dweight + 2 * j, tl.sum(dve * he, 0), tl.sum(dvo * ho, 0), j < N // 2)
-        _pairs_store(share + 2 * j[None, :], dxe, dxo, mask)
+        return dxe, dxo
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -732,8 +731,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(gm + R * P, _by_rank(dZ * z_in, C, R, PP), mask=(p < P)[None, :])
                 _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dZ * mz, P, C, R, PP)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
-            # this chunk's row of dparam: [dB_bias | dC_bias (R*N each) | dB_norm_weight |
-            # dC_norm_weight (N each) | d dt_bias | dD]
+            # dparam's row: dB_bias, dC_bias (R*N each), dB_norm_w, dC_norm_w (N each), ddt_bias, dD
             prow = dparam_ptr + (bh * nc + c) * (2 * R * N + 2 * N + 2)
             tl.store(prow + 2 * R * N + 2 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
@@ -767,19 +765,21 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             # a turned pair moves as (-v1, v0): dPhi = dv1 v0 - dv0 v1 (Kw, dKw give k's)
             dPhi = dKo * Kwe - dKe * Kwo
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
+            dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, prow,
+                                    prow + 2 * R * N, j, N, C, R, NH, ACC)
             # (rank * N: each rank's columns; 0 on the first rows, which write the angles)
             share = part_ptr + (((b * L + t) * H + h) * width + rank * N)[:, None]
             nm = _in_bounds(valid, j, N // 2, NH)
-            _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, prow, prow + 2 * R * N, share,
-                         nm, j, N, C, R, NH, ACC)
+            _pairs_store(share + 2 * j[None, :], dBe, dBo, nm)
             # q likewise, and the state's gradient for the chunk before
             dQe = _dot(dMM.to(DT), Kwe, DT, PREC) + e[:, None] * _dot(dY, Se, DT, PREC)
             dQo = _dot(dMM.to(DT), Kwo, DT, PREC) + e[:, None] * _dot(dY, So, DT, PREC)
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
             dPhi += dQo * Qe - dQe * Qo
-            _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, prow + R * N,
-                         prow + 2 * R * N + N, share + R * N, nm, j, N, C, R, NH, ACC)
+            dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, prow + R * N,
+                                    prow + 2 * R * N + N, j, N, C, R, NH, ACC)
+            _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
             # the carry: the last token's phase; dv_j (v = theta dt): dPhi from j on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
