@@ -1,40 +1,32 @@
-"""The Mamba-3 layer's math: the scan `ssd` two ways (the token-by-token recurrence and the
-chunked PyTorch path), and the mixer region around it, from in_proj's output to the gated output
-that goes into out_proj, two ways (`mixer_torch`, readable, and `mixer_triton`, fused Triton
-kernels that run the scan inside them; `mixer` picks).
+"""The Mamba-3 layer's math: the scan `ssd` (recurrence and chunked form) and the mixer region, from
+in_proj's output to out_proj's input, in PyTorch (`mixer_torch`) and fused Triton (`mixer_triton`).
 
-The scan, per batch element b and head h, with S the (P x N) state and R ranks (MIMO; R = 1 is
-SISO): token t brings R inputs, keys and queries, the rows of X_t (R x P), K_t, Q_t (R x N); the
-state takes the sum of their rank-1 updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and
-every rank reads it:
+The scan, per batch element and head, with S the (P x N) state and R ranks (MIMO; R = 1 is SISO):
+token t brings the rows of X_t (R x P), K_t, Q_t (R x N); the state takes the sum of their rank-1
+updates (X^T K = sum_r x_r k_r^T) in both trapezoid terms, and every rank reads it:
 
     S_t = exp(log_a_t) * (S_{t-1} + beta_t * X_{t-1}^T K_{t-1}) + gamma_t * X_t^T K_t
     Y_t = Q_t S_t^T                         (row r: y_{t,r} = S_t q_{t,r})
 
 x (B, L, H, P), q, k (B, L, H, N) (SISO), or with the rank axis (B, L, H, R, P|N); log_a, gamma,
-beta (B, L, H). The state passed in and out is the tuple (S (B, H, P, N) float32, k_prev, x_prev:
-the last token's k's and x's): exactly what a continuation call or a decoder needs. An optional
-reset (B, L) bool marks document starts: where reset[b, t] is set, the state entering t is zero
-(S_{t-1}, X_{t-1} and K_{t-1} all count as 0), so S_t = gamma_t X_t^T K_t.
+beta (B, L, H). The state in and out: (S (B, H, P, N) float32, the last token's k's and x's). reset
+(B, L) bool marks document starts: the state entering a marked t is zero.
 
 The chunked form. Cut the sequence into chunks of C tokens, C*R rows (row i: rank i % R of token
-i // R, whose cs, w, gamma and seg it takes); inside a chunk let cs_i be the running sum of log_a up
-to token i, and w_s = gamma_s + beta_{s+1} (token s's input enters the state twice: with its own
-gamma now and with the next token's beta one step later). Then, with Sin the state entering it,
+i // R, whose scalars it takes); inside a chunk let cs_i be the running sum of log_a up to token i,
+and w_s = gamma_s + beta_{s+1} (token s's input enters the state now with gamma_s and one step
+later with the next token's beta). Then, with Sin the state entering the chunk,
 
     Y    = (W o Q K^T) X + e * (Q Sin^T)       W_ij = exp(cs_i - cs_j) w_j (j's token before i's),
     Sout = a Sin + (X * u)^T K                        gamma_i (one token: a full R x R block)
 
-with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), and W = 0 above
-its block diagonal. (The state carried between chunks already holds the next token's beta term;
-only the state after the last token of the sequence is the true S.) A reset cuts a chunk into
-segments: seg_i counts the resets up to i, and every decay that would cross one is zero: W_ij needs
-seg_i == seg_j, e_i needs seg_i == 0 (no reset since the chunk began), f_j needs seg_j ==
-seg_last, a needs seg_last == 0. Only masks; never a -inf in a cumsum.
+with e_i = exp(cs_i), u_j = f_j w_j, f_j = exp(cs_last - cs_j), a = exp(cs_last), W = 0 above its
+block diagonal. (The state carried between chunks already holds the next token's beta term.) A
+reset cuts a chunk into segments: seg_i counts the resets up to i, and every decay that would cross
+one is zero: W_ij needs seg_i == seg_j, e_i seg_i == 0, f_j seg_j == seg_last, a seg_last == 0.
 
-The mixer region (the layer minus its two projections). in_proj's output splits, per token, into
-z, x (H*P each) | B, C (R*G*N each: R ranks outermost of G groups, shared by the H/G heads of a
-group) | dd_dt, dd_A, trap (H each) | angle (S).
+The mixer region. in_proj's output splits, per token, into z, x (H*P each) | B, C (R*G*N each: R
+ranks outermost of G groups, shared by a group's heads) | dd_dt, dd_A, trap (H each) | angle (S).
 
     dt = softplus(dd_dt + dt_bias),  A = -max(f(dd_A), A_floor),  f(v) = 1 + v (v >= 0), 1/(1 - v)
     log_a = A dt,  lam = sigmoid(trap),  gamma = lam dt,  beta = (1 - lam) dt
@@ -43,10 +35,8 @@ group) | dd_dt, dd_A, trap (H each) | angle (S).
     x_r = x * mimo_x[h, r],  z_r = z * mimo_z[h, r]               (MIMO; SISO: x_1 = x, z_1 = z)
     out = sum_r mimo_o[h, r] * (y_r + D x_r) * silu(z_r)          (SISO: mimo_o = 1)
 
-with y = ssd(x_r, q_r, k_r, log_a, gamma, beta); the biases are (H, R, N) ((H, N) for SISO), the
-mimo vectors (H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by the angle Phi_i (the
-same for every rank); the other N - 2S dims pass. A decoding cache keeps the last token's R k's and
-its x, not the x_r: the next call lifts it again.
+with y = ssd(x_r, q_r, k_r, log_a, gamma, beta), biases (H, R, N) ((H, N) for SISO), mimo vectors
+(H, R, P). Rot turns each pair of state dims (2i, 2i+1), i < S, by Phi_i; the other dims pass.
 """
 import collections
 import math
@@ -67,74 +57,55 @@ def _compute_dtype(*tensors):
 
 
 def _initial_state(state, x, k, dtype):
-    """(S0, k_prev, x_prev) in the compute dtype; zeros when no state is given. x (B, L, H, R, P),
-    k (B, L, H, R, N)."""
-    B, _, H, R, P = x.shape
-    N = k.shape[-1]
+    """(S0, k_prev, x_prev) in the compute dtype, zeros without a state. x (B, L, H, R, P)."""
     if state is None:
+        (B, _, H, R, P), N = x.shape, k.shape[-1]
         return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, R, N, dtype=dtype),
                 x.new_zeros(B, H, R, P, dtype=dtype))
-    S0, k_prev, x_prev = state
-    if S0.shape != (B, H, P, N) or k_prev.shape != (B, H, R, N) or x_prev.shape != (B, H, R, P):
-        raise ValueError(f"ssd: state shapes {tuple(S0.shape)}, {tuple(k_prev.shape)}, "
-                         f"{tuple(x_prev.shape)} do not match (B, H, R, P, N) = {(B, H, R, P, N)}")
-    return S0.to(dtype), k_prev.to(dtype), x_prev.to(dtype)
+    return tuple(t.to(dtype) for t in state)
 
 
 def _final_state(S, x, k):
-    # the true state after the last token, and that token's k and x (the next token's beta term
-    # needs them)
+    # the true state after the last token, and that token's k and x (the next beta term needs them)
     return S.float() if S.dtype != torch.float64 else S, k[:, -1].clone(), x[:, -1].clone()
 
 
 # -----------------------------------------------------------------------------
-# the recurrence: the oracle
+# the scan in PyTorch: the recurrence (the oracle) and the chunked form
 
 
 def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
-    """One token of the recurrence. S (B, H, P, N); k_prev, k, q (B, H, R, N); x_prev, x
-    (B, H, R, P), R ranks; log_a, gamma, beta (B, H). Returns (y (B, H, R, P), S_new); out of place
-    so autograd can run through it. (x^T k sums the R rank-1 updates v_r k_r^T.)"""
+    """One token of the recurrence: S (B, H, P, N); k_prev, k, q (B, H, R, N); x_prev, x
+    (B, H, R, P); log_a, gamma, beta (B, H) -> (y (B, H, R, P), S_new), out of place (autograd)."""
     a, gamma, beta = log_a.exp()[..., None, None], gamma[..., None, None], beta[..., None, None]
     S = a * (S + beta * (x_prev.mT @ k_prev)) + gamma * (x.mT @ k)
     return (S @ q.mT).mT, S
 
 
 def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
-    """The recurrence, one token at a time (ranked shapes, see ssd). Slow; the ground truth for
-    every other path."""
+    """The recurrence, one token at a time (ranked shapes): slow, the ground truth."""
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     S, k_prev, x_prev = _initial_state(state, x, k, dtype)
-    xc, qc, kc = x.to(dtype), q.to(dtype), k.to(dtype)
-    la, g, b = log_a.to(dtype), gamma.to(dtype), beta.to(dtype)
+    inputs = [t.to(dtype) for t in (x, q, k, log_a, gamma, beta)]
     ys = []
     for t in range(x.shape[1]):
         if reset is not None:  # a document starts at t: nothing before it reaches it
             keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # (B, 1, 1, 1)
             S, k_prev, x_prev = S * keep, k_prev * keep, x_prev * keep
-        y, S = recurrent_step(S, k_prev, x_prev, xc[:, t], qc[:, t], kc[:, t], la[:, t], g[:, t],
-                              b[:, t])
+        y, S = recurrent_step(S, k_prev, x_prev, *(v[:, t] for v in inputs))
         ys.append(y)
-        k_prev, x_prev = kc[:, t], xc[:, t]
+        k_prev, x_prev = inputs[2][:, t], inputs[0][:, t]
     return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
 
 
-# -----------------------------------------------------------------------------
-# the chunked form in PyTorch
-
-
 def decay_matrix(cs, same=None):
-    """cs (b, C) -> D (b, C, C) with D_ij = exp(cs_i - cs_j) for j <= i and 0 above the diagonal
-    (and, given `same` (b, C, C), 0 between segments). Only differences <= 0 are exponentiated: the
-    ones above the diagonal (> 0, possibly huge) are clamped to 0 first and then masked."""
+    """D_ij = exp(cs_i - cs_j) (b, C, C) for j <= i (in one segment, given `same`), else 0."""
     D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
     return D if same is None else D.mul_(same)
 
 
 def _segment_decays(cs, seg):
-    """The decays that cross a chunk boundary, zero where a reset lies in between. cs, seg (b, C) ->
-    e (b, C): from the chunk's start to i; f (b, C): from j to the chunk's end; a (b,): over the
-    whole chunk; and same (b, C, C), whether i and j lie in one segment (None without resets)."""
+    """e, f (b, C), a (b,), zero across a reset, and same (b, C, C): i, j in one segment."""
     e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
     if seg is None:
         return e, f, a, None
@@ -157,8 +128,7 @@ def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C)
 
 
 def _weights(D, w, g, R=1):
-    """The intra-chunk weights W on the chunk's rows, from the tokens' D (b, C, C), w, g: D_ij w_j
-    where j's token precedes i's, gamma_i within one token, 0 after (D is 0 above its diagonal)."""
+    """W on the chunk's rows from the tokens' D (b, C, C), w and g (gamma)."""
     W = D * w[:, None, :]
     if R > 1:
         b, C, _ = W.shape
@@ -169,44 +139,34 @@ def _weights(D, w, g, R=1):
 
 
 class ChunkedScan(torch.autograd.Function):
-    """The chunked form (the module docstring's) on chunk-major tensors: b = B*H*nc chunks of C
-    tokens, C*R rows each (row i: token i // R); seg (b, C), the resets counted inside each chunk,
-    or None. A short loop over the chunks chains them. By hand, not autograd, which would keep
-    several C x C temporaries per chunk; this keeps three (D, Q K^T and M = W o Q K^T).
+    """The chunked form on b = B*H*nc chunks of C*R rows; seg (b, C), the resets counted inside
+    each chunk, or None. By hand, not autograd, which would keep several C x C temporaries a chunk.
 
-    The backward of one chunk, written once for both fast paths (_mixer_bwd computes the same in a
-    scaled form). dY is Y's gradient, G that of Sout, D_ij = exp(cs_i - cs_j) for j <= i in one
-    segment (D_ii = 1, so W = D o w_j below the diagonal and gamma_i on it), dM = dY X^T:
+    The chunk's backward, for both fast paths (_mixer_bwd in a scaled form), with dY and G the
+    gradients of Y and Sout, D_ij = exp(cs_i - cs_j) for j <= i in one segment, M = W o Q K^T:
 
-        dX   = M^T dY + u * (K G^T)
-        dQ   = (dM o W) K + e * (dY Sin)
-        dK   = (dM o W)^T Q + u * (X G)
-        dSin = a G + (e * dY)^T Q                   (the G of the chunk before)
-        R    = dM o (Q K^T) o D                     (what W's entries pass on to w and cs)
-        du_j = x_j . (K G^T)_j                      (what u_j passes on)
-        dgamma_i = R_ii,    dw_j = sum_{i>j} R_ij + du_j f_j
-        dcs_i = sum_{j<i} R_ij w_j - w_i sum_{l>i} R_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
+        dX = M^T dY + u * (K G^T)       dQ = (dM o W) K + e * (dY Sin)      dM = dY X^T
+        dK = (dM o W)^T Q + u * (X G)   dSin = a G + (e * dY)^T Q (the chunk before's G)
+        Rm = dM o (Q K^T) o D  (what W passes on to w and cs),  du_j = x_j . (K G^T)_j
+        dgamma_i = Rm_ii,    dw_j = sum_{i>j} Rm_ij + du_j f_j
+        dcs_i = sum_{j<i} Rm_ij w_j - w_i sum_{l>i} Rm_li + e_i dY_i . (Q Sin^T)_i - du_i u_i
                 + [i = last] (sum_j du_j u_j + a <G, Sin>)
 
-    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, u_i with -; cs_last every u_j and
-    a.) Masks cover the resets. dlog_a is the reverse running sum of dcs; dgamma_s and dbeta_{s+1}
-    get dw_s. With R > 1 the formulas hold per token once its rows are summed: R_ii is the sum over
-    its own (R x R) block, in which the R_ij w_j and w_i R_li terms of dcs cancel."""
+    (cs_i enters W_ij (j < i) with +, W_li (l > i) with -, e_i, and u_i with -; cs_last every u_j
+    and a.) dlog_a is dcs's reverse running sum; dgamma_s and dbeta_{s+1} get dw_s. With R > 1 it
+    holds per token once its rows are summed: Rm_ii sums its own R x R block."""
 
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
         # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
-        b, CR, P = X.shape
-        BH, _, N = Sin0.shape
+        (b, CR, P), (BH, _, N) = X.shape, Sin0.shape
         nc, R = b // BH, CR // cs.shape[1]
         e, f, a, same = _segment_decays(cs, seg)
-        # what each chunk adds to the state at its end (its last w already holds the next beta)
+        # what each chunk adds to the state (its last w already holds the next beta)
         Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
         # the states entering the chunks, one chunk after the other (nc = L / C: a short loop)
-        a = a.view(BH, nc, 1, 1)
-        Sin = torch.empty_like(dS)
-        S = Sin0
+        a, Sin, S = a.view(BH, nc, 1, 1), torch.empty_like(dS), Sin0
         for c in range(nc):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
@@ -214,120 +174,96 @@ class ChunkedScan(torch.autograd.Function):
         D = decay_matrix(cs, same)
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
         M = _weights(D, w, g, R).mul_(scores)
-        # kept for the backward: D, scores and M (on a CPU, recomputing M costs as much as keeping)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)
-        # (into Xu's buffer, dead by now: on a CPU a fresh 4 MB buffer costs page faults)
+        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)  # M: as cheap as redone
+        # (into Xu's dead buffer: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
         return torch.bmm(M, X).addcmul_(_rows(e, R)[..., None], QS), S
 
     @staticmethod
     def backward(ctx, dY, dS_final):
-        # in the compute dtype, as the forward ran: torch.compile traces the backward under the
-        # caller's autocast
+        # in the compute dtype, as the forward ran (torch.compile traces it under autocast)
         with torch.autocast(dY.device.type, enabled=False):
             dY = dY.float() if dY.dtype != torch.float64 else dY
-            return ChunkedScan._backward(ctx, dY, dS_final)
-
-    @staticmethod
-    def _backward(ctx, dY, dS_final):
-        # the docstring's formulas, a few batched matmuls each
-        X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
-        dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
-        b, CR, P = X.shape
-        BH, N = dS_final.shape[0], Q.shape[-1]
-        nc, C = b // BH, cs.shape[1]
-        R = CR // C
-        e, f, a, _ = _segment_decays(cs, seg)
-        # intra-chunk: Y = M X
-        dX = torch.bmm(M.transpose(1, 2), dY)
-        dMD = torch.bmm(dY, X.transpose(1, 2))
-        dMD.view(b, C, R, C, R).mul_(D[:, :, None, :, None])  # dM o D, (b, C*R, C*R)
-        dMW = dMD * _rows(w, R)[:, None, :]
-        _own(dMW, R).copy_(_own(dMD, R) * g[:, None, None, :])  # dM o W
-        dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
-        Rm = dMD.mul_(scores)
-        dg = _own(Rm, R).sum((1, 2))
-        colR = Rm.sum(1)  # sum_{l>=j} R_lj: the diagonal terms cancel in dcs and leave dw
-        dw = _per_token(colR, R) - dg
-        dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
-        # inter-chunk: e * (Q Sin^T)
-        T = torch.bmm(dY, Sin)  # (b, C*R, N)
-        dcs += e * _per_token(torch.linalg.vecdot(T, Q), R)
-        dQ.addcmul_(_rows(e, R)[..., None], T)
-        dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
-        dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
-        # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
-        a = a.view(BH, nc, 1, 1)
-        G = dS_final
-        for c in reversed(range(nc)):  # dSin's slots take each chunk's G as they free up
-            G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
-        dS = dSin
-        da = torch.linalg.vecdot(dS.flatten(2), Sin.view(BH, nc, -1)) * a.view(BH, nc)  # a <G, Sin>
-        # what each chunk adds: (X * u)^T K
-        dS = dS.view(b, P, N)
-        u = f * w
-        # (the dead buffers of dY * e and T take the products: on a CPU, fresh 4 MB buffers cost
-        # page faults)
-        dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
-        dX.addcmul_(dXu, _rows(u, R)[..., None])
-        dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
-        du = _per_token(torch.linalg.vecdot(dXu, X), R)  # (b, C)
-        dw += du * f
-        dcs -= du * u
-        dcs[:, -1] += (du * u).sum(-1) + da.view(b)
-        return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
+            X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
+            dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
+            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
+            nc, R = b // BH, CR // C
+            e, f, a, _ = _segment_decays(cs, seg)
+            # intra-chunk: Y = M X
+            dX = torch.bmm(M.transpose(1, 2), dY)
+            dMD = torch.bmm(dY, X.transpose(1, 2))
+            dMD.view(b, C, R, C, R).mul_(D[:, :, None, :, None])  # dM o D, (b, C*R, C*R)
+            dMW = dMD * _rows(w, R)[:, None, :]
+            _own(dMW, R).copy_(_own(dMD, R) * g[:, None, None, :])  # dM o W
+            dQ, dK = torch.bmm(dMW, K), torch.bmm(dMW.transpose(1, 2), Q)
+            Rm = dMD.mul_(scores)
+            dg = _own(Rm, R).sum((1, 2))
+            colR = Rm.sum(1)  # sum_{l>=j} Rm_lj: the diagonal terms cancel in dcs and leave dw
+            dw = _per_token(colR, R) - dg
+            dcs = _per_token(torch.bmm(Rm, _rows(w, R)[..., None])[..., 0] - _rows(w, R) * colR, R)
+            # inter-chunk: e * (Q Sin^T)
+            T = torch.bmm(dY, Sin)  # (b, C*R, N)
+            dcs += e * _per_token(torch.linalg.vecdot(T, Q), R)
+            dQ.addcmul_(_rows(e, R)[..., None], T)
+            dYe = dY * _rows(e, R)[..., None]  # (b, C*R, P)
+            dSin = torch.bmm(dYe.transpose(1, 2), Q).view(BH, nc, P, N)
+            # the loop over the chunks, backwards: G is the gradient of the state leaving chunk c
+            a, G = a.view(BH, nc, 1, 1), dS_final
+            for c in reversed(range(nc)):  # dSin's slots take each chunk's G as they free up
+                G, dSin[:, c] = torch.addcmul(dSin[:, c], a[:, c], G), G
+            da = torch.linalg.vecdot(dSin.flatten(2), Sin.view(BH, nc, -1)) * a.view(BH, nc)
+            dS, u = dSin.view(b, P, N), f * w  # da = a <G, Sin>; each chunk added (X * u)^T K
+            # (into the dead buffers of dY * e and T, as in the forward)
+            dXu = torch.bmm(K, dS.transpose(1, 2), out=dYe)  # (b, C*R, P)
+            dX.addcmul_(dXu, _rows(u, R)[..., None])
+            dK.addcmul_(_rows(u, R)[..., None], torch.bmm(X, dS, out=T))
+            du = _per_token(torch.linalg.vecdot(dXu, X), R)  # (b, C)
+            dw += du * f
+            dcs -= du * u
+            dcs[:, -1] += (du * u).sum(-1) + da.view(b)
+            return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
 
 
 def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
-    """The chunked form (ranked shapes, see ssd): chunks of C tokens, C*R rows each, become the
-    batch of the matmuls in ChunkedScan."""
-    B, L, H, R, P = x.shape
-    N = q.shape[-1]
-    C = chunk_size
+    """The chunked form (ranked shapes): chunks of C tokens are the batch of ChunkedScan's bmms."""
+    (B, L, H, R, P), N, C = x.shape, q.shape[-1], chunk_size
     dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
     with torch.autocast(x.device.type, enabled=False):
         S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
-        # w_s = gamma_s + beta_{s+1} (0 after the last token), and the state entering the first
-        # chunk: S0 plus the first token's beta term, which needs x_prev and k_prev
+        # w_s = gamma_s + beta_{s+1} (0 after the last token); the state entering the first chunk
+        # is S0 plus the first token's beta term
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
         beta0 = beta[:, 0, :, None, None, None].to(dtype)
         Sin0 = S0 + (beta0 * x_prev[..., :, None] * k_prev[..., None, :]).sum(2)  # (B, H, P, N)
-        # pad to whole chunks with tokens that change nothing (no decay, no input, no reset), then
-        # chunk-major: (B, L, H, R, D) -> (B*H*nc, C*R, D)
-        pad = (-L) % C
-        nc = (L + pad) // C
+        # padded to whole chunks with tokens that change nothing, then chunk-major:
+        # (B, L, H, R, D) -> (B*H*nc, C*R, D)
+        pad, nc = (-L) % C, -(-L // C)
 
         def chunks(t):
             t = F.pad(t.to(dtype), (0, 0) * 3 + (0, pad)) if pad else t.to(dtype)
-            r = t.shape[3]
-            t = t.view(B, nc, C, H, r, -1).permute(0, 3, 1, 2, 4, 5)
-            return t.reshape(B * H * nc, C * r, -1)
-
+            t = t.view(B, nc, C, H, t.shape[3], -1).permute(0, 3, 1, 2, 4, 5)
+            return t.reshape(B * H * nc, -1, t.shape[-1])
         X, Q, K = chunks(x), chunks(q), chunks(k)  # (b, C*R, P|N), b = B*H*nc
         la, g, w = (chunks(t[..., None, None])[..., 0] for t in (log_a, gamma, w))  # (b, C)
         cs = la.cumsum(dim=-1)  # (b, C), <= 0 and decreasing
-        seg = None
-        if reset is not None:  # the resets counted inside each chunk (b, C); equal: one segment
-            seg = F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C)
-            seg = seg.cumsum(-1)
+        seg = None if reset is None else (  # the resets counted inside each chunk (b, C)
+            F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C).cumsum(-1))
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)
         y = Y.view(B, H, nc, C, R, P).permute(0, 2, 3, 1, 4, 5).reshape(B, nc * C, H, R, P)[:, :L]
     return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
 
 
 # -----------------------------------------------------------------------------
-# the mixer region in PyTorch: the readable twin of the fused kernels (and the path with a
-# decoding cache)
+# the mixer region in PyTorch: the fused kernels' readable twin (and the decoding cache's path)
 
 
 def _f32(t):
-    # dt, A, the angles and the phases are computed in float32 (or float64 when the whole model is)
+    # dt, A, the angles and the phases in float32 (or float64 when the whole model is)
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def rotate(v, phi):
-    """Rotate adjacent pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest
-    passes."""
+    """Rotate pairs (2i, 2i+1), i < S, of v's last dim by the angles phi (..., S); the rest pass."""
     S = phi.shape[-1]
     v0, v1, rest = v[..., 0:2 * S:2], v[..., 1:2 * S:2], v[..., 2 * S:]
     cos, sin = phi.cos(), phi.sin()
@@ -362,18 +298,13 @@ def split_sizes(H, P, G, N, S, R=1):
 def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                 ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, state=None,
                 impl="torch", mimo=None):
-    """The mixer region in PyTorch ops (the module docstring's equations), the scan through
-    ssd(impl=impl). zxbcdt (B, L, 2HP + 2RGN + 3H + S) -> out (B, L, H*P) in zxbcdt's dtype. mimo:
-    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None, or a decoding cache's (Phi (B, H, S), S,
-    k_prev (B, H, [R,] N), x_prev (B, H, P)); the state after the last token comes back with out,
-    in the same shapes (None without)."""
+    """The mixer region in PyTorch ops (scan: ssd(impl=impl)) -> (out (B, L, H*P), state). mimo:
+    None (SISO) or (mimo_x, mimo_z, mimo_o). state: None or a decoding cache (Phi (B, H, S), S,
+    k_prev (B, H, [R,] N), x_prev (B, H, P)), returned after the last token (None without)."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
-    P, G = headdim, ngroups
-    Bsz, L, _ = zxbcdt.shape
-    sizes = split_sizes(H, P, G, N, n_angles, R)
-    z, x, Bm, Cm, dd_dt, dd_A, trap, angle = torch.split(zxbcdt, sizes, dim=-1)
-
+    (Bsz, L, _), P, G = zxbcdt.shape, headdim, ngroups
+    z, x, Bm, Cm, dd_dt, dd_A, trap, angle = zxbcdt.split(split_sizes(H, P, G, N, n_angles, R), -1)
     dt = F.softplus(_f32(dd_dt) + dt_bias)  # (B, L, H)
     dd_A = _f32(dd_A)
     # A = -max(f(dd_A), A_floor) with the heavy-tailed f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0)
@@ -384,13 +315,10 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     # data-dependent rotary phases, accumulated per head and kept in [0, 2 pi)
     theta = math.pi * torch.tanh(_f32(angle))  # (B, L, S)
     phi0 = None if state is None else state[0]
-    phi = phases(theta[:, :, None, :] * dt[..., None], reset, phi0)  # (B, L, H, S)
-    phi = torch.remainder(phi, 2 * math.pi)
-    phi_r = phi[:, :, :, None]  # the same phases for every rank
-
-    # B and C, R ranks of G groups each (rank outermost): RMS-normalised per rank and group, shared
-    # by the group's heads, plus per-head biases, then rotated by the heads' phases, the same for
-    # every rank (in float32, as the fused kernels do: bf16 in, float32 statistics)
+    phi = torch.remainder(phases(theta[:, :, None, :] * dt[..., None], reset, phi0), 2 * math.pi)
+    phi_r = phi[:, :, :, None]  # (B, L, H, 1, S): the same phases for every rank
+    # B and C (R ranks of G groups, rank outermost): RMS-normalised per rank and group, per-head
+    # biases, rotated; in float32, as the fused kernels (bf16 in, float32 statistics)
     Bn = F.rms_norm(_f32(Bm).view(Bsz, L, R, G, N), (N,), B_norm_weight, eps).transpose(2, 3)
     Cn = F.rms_norm(_f32(Cm).view(Bsz, L, R, G, N), (N,), C_norm_weight, eps).transpose(2, 3)
     Bn, Cn = Bn.repeat_interleave(H // G, dim=2), Cn.repeat_interleave(H // G, dim=2)
@@ -401,31 +329,22 @@ def mixer_torch(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D
     lift = lambda t, m: t if m is None else t * m.to(t.dtype)  # noqa: E731
     x, z = x.view(Bsz, L, H, 1, P), z.view(Bsz, L, H, 1, P)
     v, z = lift(x, mimo_x), lift(z, mimo_z)  # (B, L, H, R, P)
-
-    scan_state = None
-    if state is not None:  # the cache holds the last token's x: its inputs are lifted again
-        scan_state = (state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
+    scan_state = None if state is None else (  # the cache holds x: its inputs are lifted again
+        state[1], state[2].view(Bsz, H, R, N), lift(state[3][:, :, None], mimo_x))
     y, final = ssd(v, q, k, log_a, gamma, beta, scan_state, chunk_size, impl, reset)
     y = (y + D[:, None, None].to(y.dtype) * v) * F.silu(z)  # (B, L, H, R, P)
-    out = y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)  # sum_r mimo_o[h, r] y_r
-    out = out.reshape(Bsz, L, -1)
-    if state is None:
-        return out, None
-    return out, (phi[:, -1], final[0], final[1].view_as(state[2]), x[:, -1, :, 0])
+    out = (y if mimo is None else (y * mimo_o.to(y.dtype)).sum(3)).reshape(Bsz, L, -1)
+    return out, None if state is None else (phi[:, -1], final[0], final[1].view_as(state[2]),
+                                            x[:, -1, :, 0])
 
 
 # -----------------------------------------------------------------------------
 # the mixer region in Triton: _mixer_fwd forward; _mixer_bwd, then _sum_heads, backward
-#
-# One program per (b, h) walks the chunks with the (P x N) state on chip in float32 and saves the
-# state entering each chunk (in the dot operand dtype) for the backward, which walks them in
-# reverse with the state's gradient G on chip; zxbcdt is read in place through its strides. A
-# chunk is C rows, row i rank i % R of token i // R (R = 1: SISO, a row a token), so a MIMO chunk
-# of C / R tokens has SISO's tiles; a token's scalars are broadcast to its rows and counted once,
-# on its first row. Tiles are powers of 2, at least 16 for tl.dot: PP >= P, and N as its even and
-# odd dims, two tiles of NH >= N / 2 (see _qk). tl.constexpr: DT, the operand dtype of every tl.dot
-# (zxbcdt's), ACC, that of cumsums, states and accumulators (float32; float64 for float64 inputs),
-# PREC, the products' input precision (tf32 for float32: _mixer_tiles), and the model's sizes.
+# One program per (b, h) walks the chunks with the (P x N) float32 state on chip and saves the
+# state entering each; the backward walks them in reverse with the state's gradient G on chip. A
+# chunk is C rows (row i: rank i % R of token i // R), a token's scalars counted on its first row.
+# Tiles: PP >= P, and N as its even and odd dims, two of NH >= N / 2 (_qk). tl.constexpr: DT, the
+# dots' operand dtype (zxbcdt's), ACC, that of cumsums, states and accumulators; PREC: _mixer_tiles
 
 try:
     import triton
@@ -443,35 +362,29 @@ def _version(v):
 if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # Under TRITON_INTERPRET=1 (read when the kernels below are decorated, i.e. at import) they run
-    # as numpy on CPU tensors: the tests run them that way. Its one gap that matters here: no
-    # bfloat16 arithmetic (see _dot).
+    # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
     _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     _INTERPRETED = tl.constexpr(_INTERPRET)
     if _INTERPRET and _version(triton.__version__) < (3, 7):
-        # Triton 3.6's interpreter makes a loop bound an int with int() of a one-element 1-d
-        # array, which NumPy deprecated in 1.25 and now refuses, so `for c in range(nc)` stops;
-        # 3.7 squeezes the array first, as this does.
+        # Triton 3.6's interpreter takes int() of a 1-element array for a loop bound (NumPy refuses)
         from triton.runtime import interpreter as _interpreter
 
         def _patch_lang_tensor(tensor, scope, patch=_interpreter._patch_lang_tensor):
             patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
         _interpreter._patch_lang_tensor = _patch_lang_tensor
     _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
     _PI = tl.constexpr(math.pi)
 
-    # A chunk's per-token scalars for one head, (C,) each in ACC (see _scalars). A plain namedtuple:
-    # Triton 3.6 to 3.9 take one in @triton.jit code (nested tuple unpacks they do not all take).
+    # a chunk's per-token scalars for one head, (C,) each: a namedtuple, which jit code takes
     _Scalars = collections.namedtuple("_Scalars", "dt dsp lam dt_n dsp_n lam_n fA dfA A gamma w cs")
 
     @triton.jit
-    def _operands(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a product's operands in DT; PREC "ieee", or "tf32" for float32 (tensor cores read 10 of
-        # its 23 mantissa bits). The interpreter multiplies in numpy, so it is made to do what a GPU
-        # does: bf16 goes to float32 (numpy would multiply bit patterns), tf32 loses 13 bits (cut)
+    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr, acc=None):
+        # a b (+ acc, not a product: that gets a costlier layout) from operands in DT; PREC "ieee"
+        # or "tf32" (tensor cores read 10 of float32's 23 mantissa bits). The interpreter (numpy)
+        # gets bf16 as float32 and tf32 with 13 bits cut, as on a GPU
         a, b = a.to(DT), b.to(DT)
         if _INTERPRETED and DT == tl.bfloat16:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -479,47 +392,16 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             cut = 0xFFFFE000
             a = (a.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
             b = (b.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
-        return a, b
+        if acc is None:
+            ab = tl.dot(a, b, input_precision=PREC)
+        else:  # out_dtype: Triton 3.6 would assume float32
+            ab = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
+        return ab
 
     @triton.jit
-    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-        # a b in float32 (float64 for float64 operands)
-        a, b = _operands(a, b, DT, PREC)
-        return tl.dot(a, b, input_precision=PREC)
-
-    @triton.jit
-    def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-        # acc + a b, as _dot, for an acc that is not itself a product (one that feeds another
-        # product gets the costlier layout on GPUs). out_dtype: Triton 3.6 would assume float32
-        a, b = _operands(a, b, DT, PREC)
-        return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
-
-    @triton.jit
-    def _last(v, i, C: tl.constexpr):
-        # v's entry at i = C - 1 (_first: at 0), as a scalar (v: (C,))
-        return tl.sum(tl.where(i == C - 1, v, 0), axis=0)
-
-    @triton.jit
-    def _first(v, i):
-        return tl.sum(tl.where(i == 0, v, 0), axis=0)
-
-    @triton.jit
-    def _shift_down(v, tok):
-        # the sum of v over the rows of the token before each row's (0 in the first): a (C, C)
-        # select and sum, cheap next to the chunk's matmuls
-        return tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, v[None, :], 0.0), axis=1)
-
-    @triton.jit
-    def _token_sum(v, tok, R: tl.constexpr):
-        # the sum of v (C,) over each row's token's R rows, on each of them
-        if R > 1:
-            v = tl.sum(tl.where(tok[:, None] == tok[None, :], v[None, :], 0.0), axis=1)
-        return v
-
-    @triton.jit
-    def _by_token(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
-        # (C, W) rows -> (C / R, W): each token's sum over its R rows
-        return tl.sum(tl.reshape(v, (C // R, R, W)), 1)
+    def _at(v, i, k):
+        # v's entry at row k, as a scalar (v: (C,))
+        return tl.sum(tl.where(i == k, v, 0), axis=0)
 
     @triton.jit
     def _by_rank(v, C: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
@@ -528,8 +410,7 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _in_bounds(valid, cols, ncols: tl.constexpr, TILE: tl.constexpr):
-        # rows `valid` x columns < ncols of a (C, TILE) block; the column test is left out when the
-        # tile has no padding (compile-time constants: the model's sizes are usually powers of 2)
+        # rows `valid` x columns < ncols of a (C, TILE) block (no column test without padding)
         mask = valid[:, None]
         if ncols != TILE:
             mask = mask & (cols < ncols)[None, :]
@@ -538,10 +419,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i, C: tl.constexpr, R: tl.constexpr,
                       HAS_RESET: tl.constexpr):
-        # chunk c's rows i (rank i % R of token i // R): their tokens t, which exist (t < L), which
-        # rows are their token's first (its scalars count once), their rows of zxbcdt (B, L, W),
-        # seg: the resets counted from the chunk's start through each row's token, and start: the
-        # first row of the latest reset at or before it (zeros without resets)
+        # chunk c's rows i: tokens t, t < L, a token's first row, zxbcdt's rows; seg: the resets
+        # counted through each row's token, start: the first row of the latest one (else zeros)
         t = c * (C // R) + i // R
         valid, first = t < L, i % R == 0
         rows = zx_ptr + b * s_b + t * s_l
@@ -558,48 +437,29 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return tl.maximum(a, b)
 
     @triton.jit
-    def _softplus(v):
-        # softplus(v) and its derivative sigmoid(v), as torch computes them (the identity above 20);
-        # log1p(e^v) through log(1 + x) x / ((1 + x) - 1), accurate where 1 + x rounds (dt is often
-        # ~1e-3)
+    def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
+        # head h's dt = softplus(dd_dt + dt_bias) (0 past L), softplus' and lam = sigmoid(trap);
+        # log1p(x) as log(1 + x) x / ((1 + x) - 1), accurate where 1 + x rounds (dt ~1e-3)
+        dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
+        trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
+        v = dd_dt + dt_bias
         ex = tl.exp(tl.minimum(v, 20.0))
         one = 1.0 + ex
         log1p = tl.where(one == 1.0, ex, tl.log(one) * ex / (one - 1.0))
-        return tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
-
-    @triton.jit
-    def _tanh(v):
-        e = tl.exp(-2.0 * tl.abs(v))  # in (0, 1]: no overflow
-        return tl.where(v < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-
-    @triton.jit
-    def _dt_lam(rows, valid, h, col_dt, col_trap, dt_bias, ACC: tl.constexpr):
-        # dt = softplus(dd_dt + dt_bias) (0 past L: those tokens neither decay nor add), softplus'
-        # and lam = sigmoid(trap) of head h at the token rows
-        dd_dt = tl.load(rows + col_dt + h, mask=valid, other=0.0).to(ACC)
-        trap = tl.load(rows + col_trap + h, mask=valid, other=0.0).to(ACC)
-        dt, dsp = _softplus(dd_dt + dt_bias)
+        dt, dsp = tl.where(v > 20.0, v, log1p), tl.where(v > 20.0, 1.0, ex / one)
         return tl.where(valid, dt, 0.0), dsp, 1.0 / (1.0 + tl.exp(-trap))
-
-    @triton.jit
-    def _heavy_tail(dd_A):
-        # f(v) = 1 + v (v >= 0), 1 / (1 - v) (v < 0), and f'(v)
-        neg = 1.0 / (1.0 - tl.minimum(dd_A, 0.0))
-        return tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
 
     @triton.jit
     def _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H: tl.constexpr,
                  G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, R: tl.constexpr,
                  ACC: tl.constexpr):
-        """Head h's per-token scalars on the chunk's rows, an _Scalars: dt, softplus' and lam, the
-        same for the next token (whose beta completes w: token s's input enters with gamma_s now
-        and beta_{s+1} one step later), f(dd_A) and f', A, gamma, w and cs, the running sum of
-        log_a = A dt over the tokens (one row each)."""
+        """Head h's per-token scalars on the chunk's rows, an _Scalars (*_n: the next token's)."""
         col_dt = 2 * H * P + 2 * R * G * N
         dt, dsp, lam = _dt_lam(rows, valid, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dt_n, dsp_n, lam_n = _dt_lam(rows + s_l, t + 1 < L, h, col_dt, col_dt + 2 * H, dt_bias, ACC)
         dd_A = tl.load(rows + col_dt + H + h, mask=valid, other=0.0).to(ACC)
-        fA, dfA = _heavy_tail(dd_A)
+        neg = 1.0 / (1.0 - tl.minimum(dd_A, 0.0))  # f(v) = 1 + v (v >= 0), 1 / (1 - v), and f'
+        fA, dfA = tl.where(dd_A >= 0, 1.0 + dd_A, neg), tl.where(dd_A >= 0, 1.0, neg * neg)
         A = -tl.maximum(fA, A_floor)
         gamma = lam * dt
         w = gamma + (1.0 - lam_n) * dt_n
@@ -608,12 +468,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _decays(cs, seg, start, i, tok, C: tl.constexpr):
-        """A chunk's decays from its cs, seg and start (C,), 0 wherever they would cross a reset:
-            decay_ij = exp(cs_i - cs_j) for j's token up to i's, in one segment      (C, C)
-            e_i = exp(cs_i),  f_j = exp(cs_last - cs_j),  a = exp(cs_last)
-        Every exponent is <= 0 but the differences above the diagonal, clamped to 0 first and
-        masked after. (j in i's segment: start_i <= j, a test on one row vector.)"""
-        cs_last, seg_last = _last(cs, i, C), _last(seg, i, C)
+        """decay_ij = exp(cs_i - cs_j) (C, C) for j's token up to i's, e, f, a; 0 across resets."""
+        cs_last, seg_last = _at(cs, i, C - 1), _at(seg, i, C - 1)
         same = (tok[None, :] <= tok[:, None]) & (i[None, :] >= start[:, None])
         decay = tl.where(same, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)), 0.0)
         e = tl.where(seg == 0, tl.exp(cs), 0.0)
@@ -622,32 +478,18 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return decay, e, f, a
 
     @triton.jit
-    def _scaled_weights(decay, gamma, w, tok):
-        """M, the chunk's weights for k's rows scaled by w (Kw = w k): decay between tokens, gamma
-        / w within one, so that M o (Q Kw^T) = W o (Q K^T) and (X u)^T K = (X f)^T Kw. W, a (C, C)
-        tile times a row vector, is then never built: on GPUs its extra tile spilled. gamma / w
-        lies in [0, 1] (w = gamma + the next token's beta)."""
-        return tl.where(tok[:, None] == tok[None, :], _over_w(gamma, w)[:, None], decay)
-
-    @triton.jit
     def _over_w(v, w):
         # v / w where w > 0, else 0 (there v = 0 too, or what it feeds is multiplied by 0)
         return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
 
     @triton.jit
-    def _turn_rate(dve, dvo, ve, vo):
-        # d/dPhi of turned pairs: a turned pair (v0, v1) moves as (-v1, v0), so the phase gets
-        # dv1 v0 - dv0 v1
-        return dvo * ve - dve * vo
-
-    @triton.jit
     def _phase(rows, valid, first, col_ang, S, j, dt, seg, carry, ACC: tl.constexpr,
                HAS_RESET: tl.constexpr):
-        """tanh(angle) (C, NH) (0 for the pairs j >= S, which never turn) and the phases: the carry
-        from the chunks before plus the running sum of theta dt = pi tanh(angle) dt over the
-        chunk's tokens, both restarting at a reset (then a segmented scan, _seg_cumsum)."""
+        """tanh(angle) (C, NH) and the phases, carry + cumsum(pi tanh(angle) dt), reset-aware."""
         mask = valid[:, None] & (j < S)[None, :]
-        th = _tanh(tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC))
+        ang = tl.load(rows[:, None] + col_ang + j[None, :], mask=mask, other=0.0).to(ACC)
+        ex = tl.exp(-2.0 * tl.abs(ang))  # tanh without overflow
+        th = tl.where(ang < 0, -1.0, 1.0) * (1.0 - ex) / (1.0 + ex)
         v = tl.where(first[:, None], (_PI * th) * dt[:, None], 0.0)
         if HAS_RESET:
             Phi = _seg_cumsum(v, seg, False)
@@ -657,9 +499,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
-        # the running sum of v (C, NH) along the rows inside each segment (seg (C,), the resets
-        # counted so far: non-decreasing), forwards or backwards: a scan of (segment, sum) pairs
-        # (a product with the one-segment mask would be a float32 dot on FMA units: it spilled)
+        # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
+        # (a product with the segment mask, a float32 dot on FMA units, spilled)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -667,36 +508,22 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
 
     @triton.jit
     def _last_segment(s1, v1, s2, v2):
-        # two ranges of rows as (the segment of their last row, the sum over their rows in it):
-        # seg never decreases, so the later segment is the larger number. Associative and
-        # commutative: the scan may combine in any order
+        # two ranges of rows as (their last row's segment, their sum in it): seg never decreases
         s = tl.maximum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _first_segment(s1, v1, s2, v2):
-        # the same for a backward scan: the segment of the ranges' first row
+        # the same for a backward scan (the first row's segment)
         s = tl.minimum(s1, s2)
         return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
 
     @triton.jit
     def _pairs(ptr, j, N: tl.constexpr, ACC: tl.constexpr):
-        # an (N,) parameter's even and odd entries (a norm weight, a bias), (NH,) each. Read once
-        # per chunk: a loop-invariant vector broadcast to a tile would be hoisted out of the chunk
-        # loop and hold registers through it.
+        # an (N,) parameter's even and odd entries (read each chunk: a hoisted tile holds registers)
         m = j < N // 2
         even = tl.load(ptr + 2 * j, mask=m, other=0.0).to(ACC)
         return even, tl.load(ptr + 2 * j + 1, mask=m, other=0.0).to(ACC)
-
-    @triton.jit
-    def _bias(ptr, h, rank, j, N: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
-        # head h's B or C bias (H, R, N) at each row's rank, even and odd dims: (1 or C, NH) each
-        if R == 1:
-            be, bo = _pairs(ptr + h * N, j, N, ACC)
-            be, bo = be[None, :], bo[None, :]
-        else:
-            be, bo = _pairs(ptr + ((h * R + rank) * N)[:, None], j[None, :], N, ACC)
-        return be, bo
 
     @triton.jit
     def _lift(ptr, h, rank, p, P: tl.constexpr, R: tl.constexpr, ACC: tl.constexpr):
@@ -707,7 +534,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
     @triton.jit
     def _token_store(ptr, s_l, c, L, p, v, P: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                      PP: tl.constexpr):
-        # v (C / R, PP), one row per token of chunk c, to ptr + t s_l + p
+        # v (C, PP) summed over each token's R rows, to ptr + t s_l + p for chunk c's tokens t
+        v = tl.sum(tl.reshape(v, (C // R, R, PP)), 1)
         t = c * (C // R) + tl.arange(0, C // R)
         tl.store(ptr + t[:, None] * s_l + p[None, :], v.to(ptr.dtype.element_ty),
                  mask=_in_bounds(t < L, p, P, PP))
@@ -719,24 +547,16 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_store(ptr, dve, dvo, j, N: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                    NH: tl.constexpr):
-        # a bias's gradient, the chunk's rows summed per rank, to ptr (R, N)
+    def _qk(ptrs, valid, w_ptr, b_ptr, h, rank, j, cos, sin, eps, N: tl.constexpr, R: tl.constexpr,
+            NH: tl.constexpr, ACC: tl.constexpr):
+        """k (from the rows' B, B's norm weight and bias) or q (C's) as even and odd dims (C, NH),
+        then the normed dims and 1 / rms (two strided loads, not one tile: a pair in one layout)."""
+        we, wo = _pairs(w_ptr, j, N, ACC)
         if R == 1:
-            _pairs_store(ptr + 2 * j, tl.sum(dve, 0), tl.sum(dvo, 0), j < N // 2)
+            be, bo = _pairs(b_ptr + h * N, j, N, ACC)
+            be, bo = be[None, :], bo[None, :]
         else:
-            ptrs = ptr + (tl.arange(0, R) * N)[:, None] + 2 * j[None, :]
-            _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
-                         (j < N // 2)[None, :])
-
-    @triton.jit
-    def _qk(ptrs, valid, j, N: tl.constexpr, we, wo, be, bo, cos, sin, eps, NH: tl.constexpr,
-            ACC: tl.constexpr):
-        """k (ptrs: each row's B columns) or q (its C columns) as even and odd dims, (C, NH) each:
-        RMS-normalised over N, times the norm weight, plus the bias, each pair (2j, 2j + 1) turned
-        by its phase (pad rows are zeros); then the normalised dims and 1 / rms for the backward.
-        Two strided loads, not one (C, N) tile: a pair's halves then sit in two tiles of one
-        layout, and the turn is elementwise."""
+            be, bo = _pairs(b_ptr + ((h * R + rank) * N)[:, None], j[None, :], N, ACC)
         ptr = ptrs[:, None] + 2 * j[None, :]
         mask = _in_bounds(valid, j, N // 2, NH)
         xe = tl.load(ptr, mask=mask, other=0.0).to(ACC)
@@ -749,14 +569,23 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
         return turned_e, tl.where(keep, ve * sin + vo * cos, 0.0), he, ho, rstd
 
     @triton.jit
-    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, we, wo, N):
-        # from a turned q or k's gradient (even and odd dims) to that of the un-turned vector (= the
-        # bias's) and of the B or C row: turn back, then through the weight and the RMS norm,
-        # dx = rstd (dh - h mean(h dh))
+    def _qk_backward(dKe, dKo, cos, sin, he, ho, rstd, w_ptr, dbias, dweight, j, N: tl.constexpr,
+                     C: tl.constexpr, R: tl.constexpr, NH: tl.constexpr, ACC: tl.constexpr):
+        # from a turned q or k's gradient, stores the bias's and norm weight's (the chunk's sums);
+        # returns the B or C row's (dx = rstd (dh - h mean(h dh)))
+        we, wo = _pairs(w_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
         dve, dvo = dKe * cos + dKo * sin, dKo * cos - dKe * sin
         dhe, dho = dve * we[None, :], dvo * wo[None, :]
         mean = ((tl.sum(dhe * he, 1) + tl.sum(dho * ho, 1)) / N)[:, None]
-        return dve, dvo, rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
+        dxe, dxo = rstd[:, None] * (dhe - he * mean), rstd[:, None] * (dho - ho * mean)
+        if R == 1:
+            _pairs_store(dbias + 2 * j, tl.sum(dve, 0), tl.sum(dvo, 0), j < N // 2)
+        else:  # (R, N): each rank's sum
+            ptrs = dbias + (tl.arange(0, R) * N)[:, None] + 2 * j[None, :]
+            _pairs_store(ptrs, _by_rank(dve, C, R, NH), _by_rank(dvo, C, R, NH),
+                         (j < N // 2)[None, :])
+        _pairs_store(dweight + 2 * j, tl.sum(dve * he, 0), tl.sum(dvo * ho, 0), j < N // 2)
+        return dxe, dxo
 
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -765,20 +594,14 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region forward, one program per (b, h); grid (B*H,). Reads head h's columns of
-        zxbcdt (B, L, 2HP + 2RGN + 3H + S) (z, x, dd_dt, dd_A, trap; its group's R ranks of B and
-        C; the angles), the parameters (mimo_x/z/o (H, R, P) if R > 1) and reset (B, L) if any;
-        computes the scalars, phases, q and k in registers, runs the scan, adds D x, gates, sums the
-        ranks and writes out (B, L, H*P). Saves what the backward cannot recompute: the state
-        entering each chunk in DT (descriptor `states` over (B*H*nc*PP, 2NH): even state dims, then
-        odd ones) and the phase entering it (B*H, nc, S)."""
+        """The mixer region forward, grid (B*H,), to out (B, L, H*P). Saves the state entering each
+        chunk in DT (`states`: (B*H*nc*PP, 2NH), even dims then odd) and its phase (B*H, nc, S)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        Se, So = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
-        carry = tl.zeros((NH,), ACC)
+        Se, So, carry = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC), tl.zeros((NH,), ACC)
         col_ang = 2 * H * P + 2 * R * G * N + 3 * H
         # each row's rank of its head's group's B; its C is R*G*N columns later
         col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
@@ -786,22 +609,20 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             t, valid, first, rows, seg, start = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L,
                                                               i, C, R, HAS_RESET)
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
-            # the phases, and from them k and q (in DT: from here on they only feed dots)
+            # the phases, and from them k and q (in DT: they only feed dots)
             tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
             _, Phi = _phase(rows, valid, first, col_ang, S, j, sc.dt, seg, carry, ACC, HAS_RESET)
             last = tl.sum(tl.where((i == C - 1)[:, None], Phi, 0.0), axis=0)
             carry = last - 2 * _PI * tl.floor(last / (2 * _PI))  # the next chunk's, in [0, 2 pi)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            we, wo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
-            Ke, Ko = _qk(rows + col_B, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
-            we, wo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
-            col_C = col_B + R * G * N
-            Qe, Qo = _qk(rows + col_C, valid, j, N, we, wo, be, bo, cos, sin, eps, NH, ACC)[:2]
+            Ke, Ko = _qk(rows + col_B, valid, Bw_ptr, Bb_ptr, h, rank, j, cos, sin, eps, N, R, NH,
+                         ACC)[:2]
+            Qe, Qo = _qk(rows + col_B + R * G * N, valid, Cw_ptr, Cb_ptr, h, rank, j, cos, sin, eps,
+                         N, R, NH, ACC)[:2]
             Kwe, Kwo = (Ke * sc.w[:, None]).to(DT), (Ko * sc.w[:, None]).to(DT)
             Qe, Qo = Qe.to(DT), Qo.to(DT)
-            # the scan (in the scaled form of _scaled_weights), the D skip and the gate
+            # the scan, scaled: M o (Q Kw^T) = W o (Q K^T) with M decay between tokens, gamma / w
+            # within one, Kw = w k (W, a tile times a row vector, spilled); the D skip, the gate
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
             xz = rows[:, None] + h * P + p[None, :]
             xz_mask = _in_bounds(valid, p, P, PP)
@@ -813,7 +634,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             states.store([row, NH], So.to(DT))
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se.to(DT)), DT, PREC) + _dot(Qo, tl.trans(So.to(DT)), DT, PREC)
-            MS = _scaled_weights(decay, sc.gamma, sc.w, tok) * scores
+            own = tok[:, None] == tok[None, :]
+            MS = tl.where(own, _over_w(sc.gamma, sc.w)[:, None], decay) * scores
             Y = _dot(MS, X, DT, PREC) + e[:, None] * QS
             Xf = tl.trans((X * f[:, None]).to(DT))
             Se, So = a * Se + _dot(Xf, Kwe, DT, PREC), a * So + _dot(Xf, Kwo, DT, PREC)
@@ -825,8 +647,8 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(out_ptr + b * so_b + t[:, None] * so_l + h * P + p[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=xz_mask)
             else:  # sum_r mimo_o[h, r] y_r: a token from its R rows
-                out = _by_token(out * _lift(mo_ptr, h, rank, p, P, R, ACC), C, R, PP)
-                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p, out, P, C, R, PP)
+                _token_store(out_ptr + b * so_b + h * P, so_l, c, L, p,
+                             out * _lift(mo_ptr, h, rank, p, P, R, ACC), P, C, R, PP)
 
     @triton.jit
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr, Cw_ptr, Bb_ptr, Cb_ptr, D_ptr,
@@ -836,28 +658,20 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                    S: tl.constexpr, C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
                    NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    HAS_RESET: tl.constexpr):
-        """The mixer region backward, one program per (b, h) walking the chunks in reverse with G
-        (the gradient of the state leaving the chunk) and the phase carry's gradient on chip.
-        Recomputes the chunk from zxbcdt, the saved states and phases; reads dout (B, L, H*P).
-        Writes head h's columns of dzxbcdt (z, x, dd_dt, dd_A, trap), its share of what heads share
-        (B, C, the angles) to part (B, L, H, 2RN + S) for _sum_heads, and per-(b, h, chunk) sums of
-        the parameters' gradients to dparam (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P).
-
-        ChunkedScan's gradients in the forward's scaled form (Kw = w k, M, f for u): Rw = dM o M o
-        (Q Kw^T) between tokens and df = x . (Kw G^T) carry the w factors, so dw_j = (sum_l Rw_lj +
-        df_j f_j) / w_j, dgamma = the own block of dM o (Q K^T), dK = w dKw; k's phase gradient is
-        that of the turned Kw and dKw. A token's scalar gradients sum its R rows (running sums over
-        rows, read at its first). Token s's beta enters w at token s - 1, in chunk c - 1 for a
-        chunk's first token, which is so written one iteration later (pend_*)."""
+        """The mixer region backward, grid (B*H,): the chunks in reverse, each recomputed, with G
+        and the phase carry's gradient on chip. Writes head h's columns of dzxbcdt, its share of the
+        shared ones to part (B, L, H, 2RN + S), per-chunk parameter gradient sums to dparam
+        (B*H, nc, 2RN + 2N + 2) and dmimo (B*H, nc, 3, R, P). ChunkedScan's gradients, scaled
+        (Kw = w k, M, f for u): Rw = dM o M o (Q Kw^T) and df = x . (Kw G^T) carry the w factors, so
+        dw = (sum_l Rw_lj + df_j f_j) / w_j, dK = w dKw. A chunk's first token's beta enters w in
+        chunk c - 1, so its gradients are written one iteration later (pend_*)."""
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // H, bh % H
         i, p, j = tl.arange(0, C), tl.arange(0, PP), tl.arange(0, NH)
         tok, rank = i // R, i % R
         dt_bias, D = tl.load(dt_bias_ptr + h).to(ACC), tl.load(D_ptr + h).to(ACC)
-        Ge, Go = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC)
-        dcarry = tl.zeros((NH,), ACC)
-        zero = tl.zeros_like(dt_bias)
-        pend_dt, pend_lam = zero, zero
+        Ge, Go, dcarry = tl.zeros((PP, NH), ACC), tl.zeros((PP, NH), ACC), tl.zeros((NH,), ACC)
+        pend_dt, pend_lam = tl.zeros_like(dt_bias), tl.zeros_like(dt_bias)
         col_dt = 2 * H * P + 2 * R * G * N
         col_B = 2 * H * P + (h // (H // G)) * N + rank * (G * N)
         width = 2 * R * N + S  # of a row of part
@@ -871,14 +685,10 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             th, Phi = _phase(rows, valid, first, col_dt + 3 * H, S, j, sc.dt, seg, carry, ACC,
                              HAS_RESET)
             cos, sin = tl.cos(Phi), tl.sin(Phi)
-            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)
-            be, bo = _bias(Bb_ptr, h, rank, j, N, R, ACC)
-            Ke, Ko, xBe, xBo, rB = _qk(rows + col_B, valid, j, N, Bwe, Bwo, be, bo, cos, sin, eps,
-                                       NH, ACC)
-            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
-            be, bo = _bias(Cb_ptr, h, rank, j, N, R, ACC)
-            Qe, Qo, xCe, xCo, rC = _qk(rows + col_B + R * G * N, valid, j, N, Cwe, Cwo, be, bo,
-                                       cos, sin, eps, NH, ACC)
+            Ke, Ko, xBe, xBo, rB = _qk(rows + col_B, valid, Bw_ptr, Bb_ptr, h, rank, j, cos, sin,
+                                       eps, N, R, NH, ACC)
+            Qe, Qo, xCe, xCo, rC = _qk(rows + col_B + R * G * N, valid, Cw_ptr, Cb_ptr, h, rank, j,
+                                       cos, sin, eps, N, R, NH, ACC)
             if R == 1:
                 qk = tl.sum(Qe * Ke + Qo * Ko, 1)
             Kwe, Kwo = (Ke * w[:, None]).to(DT), (Ko * w[:, None]).to(DT)
@@ -893,11 +703,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
-            M = _scaled_weights(decay, sc.gamma, w, tok)
+            M = tl.where(tok[:, None] == tok[None, :], _over_w(sc.gamma, w)[:, None], decay)
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
-            Y = _dot_acc(MS, X, D * X.to(ACC), DT, PREC) + e[:, None] * QS  # with the D skip
+            Y = _dot(MS, X, DT, PREC, D * X.to(ACC)) + e[:, None] * QS  # with the D skip
             Z = tl.load(xz, mask=xz_mask, other=0.0).to(ACC)
             dout = tl.load(dout_ptr + b * sd_b + t[:, None] * sd_l + h * P + p[None, :],
                            mask=xz_mask, other=0.0).to(ACC)
@@ -919,27 +729,22 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
                 tl.store(xz, dZ.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             else:
                 tl.store(gm + R * P, _by_rank(dZ * z_in, C, R, PP), mask=(p < P)[None, :])
-                dz = _by_token(dZ * mz, C, R, PP)
-                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dz, P, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + h * P, sg_l, c, L, p, dZ * mz, P, C, R, PP)
             dYX = tl.sum(dY * X.to(ACC), axis=1)  # dM's diagonal
-            # this chunk's row of dparam: [dB_bias | dC_bias (R*N each) | dB_norm_weight |
-            # dC_norm_weight (N each) | d dt_bias | dD]
+            # dparam's row: dB_bias, dC_bias (R*N each), dB_norm_w, dC_norm_w (N each), ddt_bias, dD
             prow = dparam_ptr + (bh * nc + c) * (2 * R * N + 2 * N + 2)
             tl.store(prow + 2 * R * N + 2 * N + 1, tl.sum(dYX))
             dcs = e * tl.sum(dY * QS, axis=1)
-            # the scan's gradients, one product at a time
             KGt = _dot(Kwe, tl.trans(Ge), DT, PREC) + _dot(Kwo, tl.trans(Go), DT, PREC)  # (C, P)
             df = tl.sum(X.to(ACC) * KGt, axis=1)
-            # and the D skip's share
-            dX = _dot_acc(tl.trans(MS), dY, D * dY, DT, PREC) + f[:, None] * KGt
+            dX = _dot(tl.trans(MS), dY, DT, PREC, D * dY) + f[:, None] * KGt
             if R == 1:
                 tl.store(xz + H * P, dX.to(dzx_ptr.dtype.element_ty), mask=xz_mask)
             else:  # x and mimo_x read again: cheaper than held through the chunk
                 x_in = tl.load(rows[:, None] + H * P + h * P + p[None, :], mask=xz_mask, other=0.0)
                 mx = _lift(mx_ptr, h, rank, p, P, R, ACC)
                 tl.store(gm, _by_rank(dX * x_in.to(ACC), C, R, PP), mask=(p < P)[None, :])
-                _token_store(dzx_ptr + b * sg_b + H * P + h * P, sg_l, c, L, p,
-                             _by_token(dX * mx, C, R, PP), P, C, R, PP)
+                _token_store(dzx_ptr + b * sg_b + (H + h) * P, sg_l, c, L, p, dX * mx, P, C, R, PP)
             dM = _dot(dY, tl.trans(X), DT, PREC)
             dMM = dM * M
             if R == 1:
@@ -957,13 +762,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dMMt = tl.trans(dMM.to(DT))
             dKe = _dot(dMMt, Qe, DT, PREC) + f[:, None] * _dot(X, Ge, DT, PREC)
             dKo = _dot(dMMt, Qo, DT, PREC) + f[:, None] * _dot(X, Go, DT, PREC)
-            dPhi = _turn_rate(dKe, dKo, Kwe, Kwo)  # = that of dK = w dKw and K = Kw / w
+            # a turned pair moves as (-v1, v0): dPhi = dv1 v0 - dv0 v1 (Kw, dKw give k's)
+            dPhi = dKo * Kwe - dKe * Kwo
             dKe, dKo = w[:, None] * dKe, w[:, None] * dKo
-            Bwe, Bwo = _pairs(Bw_ptr, j, N, ACC)  # read again: cheaper than held through the chunk
-            dke, dko, dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bwe, Bwo, N)
-            pm = j < N // 2
-            _bias_store(prow, dke, dko, j, N, C, R, NH)
-            _pairs_store(prow + 2 * R * N + 2 * j, tl.sum(dke * xBe, 0), tl.sum(dko * xBo, 0), pm)
+            dBe, dBo = _qk_backward(dKe, dKo, cos, sin, xBe, xBo, rB, Bw_ptr, prow,
+                                    prow + 2 * R * N, j, N, C, R, NH, ACC)
             # (rank * N: each rank's columns; 0 on the first rows, which write the angles)
             share = part_ptr + (((b * L + t) * H + h) * width + rank * N)[:, None]
             nm = _in_bounds(valid, j, N // 2, NH)
@@ -973,16 +776,11 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dQo = _dot(dMM.to(DT), Kwo, DT, PREC) + e[:, None] * _dot(dY, So, DT, PREC)
             dYe = tl.trans((dY * e[:, None]).to(DT))
             Ge, Go = a * Ge + _dot(dYe, Qe, DT, PREC), a * Go + _dot(dYe, Qo, DT, PREC)
-            dPhi += _turn_rate(dQe, dQo, Qe, Qo)
-            Cwe, Cwo = _pairs(Cw_ptr, j, N, ACC)
-            dqe, dqo, dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cwe, Cwo, N)
-            _bias_store(prow + R * N, dqe, dqo, j, N, C, R, NH)
-            _pairs_store(prow + 2 * R * N + N + 2 * j, tl.sum(dqe * xCe, 0), tl.sum(dqo * xCo, 0),
-                         pm)
+            dPhi += dQo * Qe - dQe * Qo
+            dCe, dCo = _qk_backward(dQe, dQo, cos, sin, xCe, xCo, rC, Cw_ptr, prow + R * N,
+                                    prow + 2 * R * N + N, j, N, C, R, NH, ACC)
             _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
-            # the phases turn q and k; the last token's phase is also the next chunk's carry.
-            # dv_j = the sum of dPhi over the rows from j's token's first on, in j's segment
-            # (v = theta dt is what they add up)
+            # the carry: the last token's phase; dv_j (v = theta dt): dPhi from j on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
             if HAS_RESET:
                 dv = _seg_cumsum(dPhi, seg, True)
@@ -992,48 +790,46 @@ if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
             dangle = dv * sc.dt[:, None] * _PI * (1.0 - th * th)
             tl.store(share + 2 * R * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
                      mask=(valid & first)[:, None] & (j < S)[None, :])
-            # the per-token scalars (right on each token's first row): log_a = A dt (cs is its
-            # running sum), gamma = lam dt, beta = (1 - lam) dt, theta dt in the phases;
-            # w_s = gamma_s + beta_{s+1}, so token s's beta gradient is dw_{s-1}
+            # the per-token scalars, on each token's first row: log_a = A dt, gamma = lam dt,
+            # beta = (1 - lam) dt, theta dt; w_s = gamma_s + beta_{s+1}, so dbeta_s = dw_{s-1}
             dla = tl.cumsum(dcs, 0, reverse=True)
             # the scalars again (five loads a token): cheaper than holding them through the chunk
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
-            dgamma = _token_sum(dg + dw, tok, R)
-            dbeta = _shift_down(dw, tok)
+            dgamma = dg + dw
+            if R > 1:  # summed over each token's rows, on each of them
+                own = tok[:, None] == tok[None, :]
+                dgamma = tl.sum(tl.where(own, dgamma[None, :], 0.0), axis=1)
+            # dw summed over the rows of the token before each row's (0 on the first)
+            dbeta = tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, dw[None, :], 0.0), axis=1)
             d_dt = dla * sc.A + dgamma * sc.lam + dbeta * (1.0 - sc.lam)
             d_dt += tl.sum(dv * _PI * th, axis=1)
             dlam = (dgamma - dbeta) * sc.dt
             d_dd_A = tl.where(sc.fA >= A_floor, -dla * sc.dt * sc.dfA, 0.0)
-            tl.store(g_rows + col_dt + H + h, d_dd_A.to(dzx_ptr.dtype.element_ty),
-                     mask=valid & first)
-            # the next chunk's first token, held back one iteration, now gets its beta term (dw at
-            # our last token)
-            dw_last = tl.sum(tl.where(tok == C // R - 1, dw, 0.0), axis=0)
-            lam1, dt1 = _last(sc.lam_n, i, C), _last(sc.dt_n, i, C)
-            t1 = (c + 1) * (C // R)
-            d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _last(sc.dsp_n, i, C)
-            d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
             ty = dzx_ptr.dtype.element_ty
+            tl.store(g_rows + col_dt + H + h, d_dd_A.to(ty), mask=valid & first)
+            # the next chunk's first token, held back one iteration, gets its beta term (our dw)
+            dw_last = tl.sum(tl.where(tok == C // R - 1, dw, 0.0), axis=0)
+            lam1, dt1 = _at(sc.lam_n, i, C - 1), _at(sc.dt_n, i, C - 1)
+            t1 = (c + 1) * (C // R)
+            d_dd_dt1 = (pend_dt + dw_last * (1.0 - lam1)) * _at(sc.dsp_n, i, C - 1)
+            d_trap1 = (pend_lam - dw_last * dt1) * lam1 * (1.0 - lam1)
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + h, d_dd_dt1.to(ty), mask=t1 < L)
             tl.store(dzx_ptr + b * sg_b + t1 * sg_l + col_dt + 2 * H + h, d_trap1.to(ty),
                      mask=t1 < L)
-            # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0: no beta term
-            # before token 0)
+            # this chunk's tokens; its first waits for chunk c - 1 (unless c = 0)
             d_dd_dt, d_trap = d_dt * sc.dsp, dlam * sc.lam * (1.0 - sc.lam)
             done = valid & first & ((i > 0) | (t < C // R))  # t < C / R: chunk 0
-            tl.store(g_rows + col_dt + h, d_dd_dt.to(dzx_ptr.dtype.element_ty), mask=done)
-            tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(dzx_ptr.dtype.element_ty), mask=done)
+            tl.store(g_rows + col_dt + h, d_dd_dt.to(ty), mask=done)
+            tl.store(g_rows + col_dt + 2 * H + h, d_trap.to(ty), mask=done)
             tl.store(prow + 2 * R * N + 2 * N, tl.sum(tl.where(done, d_dd_dt, 0.0), axis=0)
                      + tl.where(t1 < L, d_dd_dt1, 0.0))  # d dt_bias
-            pend_dt, pend_lam = _first(d_dt, i), _first(dlam, i)
+            pend_dt, pend_lam = _at(d_dt, i, 0), _at(dlam, i, 0)
 
     @triton.jit
     def _sum_heads(part_ptr, dzx_ptr, sg_b, sg_l, L, R, H: tl.constexpr, G: tl.constexpr,
                    P: tl.constexpr, N: tl.constexpr, S: tl.constexpr, TB: tl.constexpr,
                    NB: tl.constexpr, SB: tl.constexpr, ACC: tl.constexpr):
-        """dB, dC and dangle, the columns of dzxbcdt that several heads share: the sums of the
-        heads' shares in part (B, L, H, 2RN + S) (a group's heads for each rank of its B and C, all
-        heads for the angles), in a fixed order so the result is deterministic; grid (B, L / TB)."""
+        """dB, dC and dangle: the heads' shares in part summed in a fixed order; grid (B, L/TB)."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * TB + tl.arange(0, TB)
         nn, ss = tl.arange(0, NB), tl.arange(0, SB)
@@ -1067,43 +863,17 @@ def _pow2(d, least=16):
 
 
 def _mixer_tiles(chunk_size, P, N, dtype, R=1):
-    """The compile-time constants of a mixer launch for zxbcdt of `dtype`: the chunk C in rows
-    (chunk_size tokens of R ranks), the tiles PP >= P and NH >= N / 2, the dot operand dtype DT
-    (zxbcdt's), the accumulator dtype ACC and the products' precision PREC. float32 takes tf32
-    products (true float32 ones run on FMA units, and spill) in chunks of at most 32 rows (at 64
-    the sm_90 backward asks 224 KB of shared memory). Any chunk, the same algebra."""
+    """A mixer launch's constexprs for zxbcdt of `dtype`. float32 takes tf32 products (true float32
+    ones run on FMA units, and spill) in chunks of <= 32 rows (at 64 sm_90 would need 224 KB)."""
     C = min(chunk_size * R, 32) if dtype == torch.float32 else chunk_size * R
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return dict(C=C, R=R, PP=_pow2(P), NH=_pow2(N // 2), DT=_TL_DTYPE[dtype], ACC=_TL_DTYPE[acc],
                 PREC="tf32" if dtype == torch.float32 else "ieee")
 
 
-def _launch_options(backward, major, tiles):
-    """num_warps, num_stages (and a register cap) of a _mixer_fwd or _mixer_bwd launch on a GPU of
-    compute capability `major`.x (0: the interpreter). One program holds a (P, N) float32 state (32
-    KB at 64 x 128) plus the chunk's (C, C), (C, P) and (C, N) blocks, so registers limit these
-    kernels: 8 warps spread the tiles over 256 threads; num_stages=1 issues no loads for the next
-    chunk early (2 is timed beside it where it fits: _TUNE). The backward on sm_8x, where ptxas
-    alone gives it 32 to 128 registers and a large stack, is capped at 255 (float32 on sm_80: 7.8
-    KB of spills a thread against 43 under Triton 3.6); at 64-token chunks also 4 warps, since
-    Triton lays out every product with all warps along its rows (16 rows a warp: at 8 warps a
-    64-row tile is held twice): 9.8 KB against 10.4 (Triton 3.9). Not on sm_90 (the cap: 3.0 KB
-    against 2.8). Figures: tools/gpu_evidence.py compile."""
-    C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
-    options = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
-    if backward and major == 8 and options["num_warps"] == 8:
-        options |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
-    return options
-
-
-# What each kernel's tuner times besides _launch_options' choice (its first config, and the only one
-# under the interpreter), by kernel and compute capability major: launch options that leave every
-# result bit as it is. Stages change when loads are issued and a register cap where values live,
-# never the arithmetic; warps may change how tl.sum and tl.cumsum split their operands, so the mixer
-# kernels keep theirs (_sum_heads adds its heads' shares one at a time in any layout). Kept, of the
-# candidates that fit (no more than a quarter more spills, shared memory within every GPU of that
-# major, under Triton 3.6 to 3.9: python tools/gpu_evidence.py compile --configs candidates), one
-# or two a kernel: each costs a compile at the first launch of a shape (the backward's: a minute).
+# What each kernel's tuner times besides its default, by compute capability major: options that
+# leave every result bit (stages and a register cap never change the arithmetic; warps may split
+# tl.sum differently), of those that fit (tools/gpu_evidence.py compile --configs candidates).
 _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
@@ -1111,10 +881,16 @@ _TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stage
 
 
 def _launch_configs(kernel, major, tiles):
-    """The launch options kernel's tuner times on a GPU of compute capability major.x, the default
-    first (the interpreter's, major 0: it takes that one alone)."""
-    base = ({"num_warps": 4, "num_stages": 3} if kernel == "_sum_heads" else
-            _launch_options(kernel == "_mixer_bwd", major, tiles))
+    """The launch options kernel's tuner times on compute capability major.x (0: the interpreter),
+    the default first. Registers limit the mixer kernels: 8 warps for wide tiles, no early loads;
+    the sm_8x backward spills less at 255 registers, 4 warps for 64-row chunks (gpu_evidence.py)."""
+    if kernel == "_sum_heads":
+        base = {"num_warps": 4, "num_stages": 3}
+    else:
+        C, wide = tiles["C"], max(tiles["PP"], 2 * tiles["NH"])
+        base = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
+        if kernel == "_mixer_bwd" and major == 8 and base["num_warps"] == 8:
+            base |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
     return [base] + [base | extra for extra in _TUNE.get((kernel, major), [])]
 
 
@@ -1129,12 +905,11 @@ def _time(launch):
 
 
 def _tuned(kernel, grid):
-    """kernel[grid] as a function of its arguments that launches it in the fastest of its configs
-    (_launch_configs) on args[0]'s device, timed at the first launch of each shape (the constexprs)
-    on each device, on that launch's own arguments. The kernels only store to their outputs (no
-    atomics, nothing accumulated into them), so the timing runs leave what one run leaves."""
+    """kernel[grid] launched in the fastest of its _launch_configs, timed at a shape's first launch
+    on each device, on its own arguments (the kernels only store: timing leaves one run's)."""
     def launch(*args, **constexprs):
-        configs = _launch_configs(kernel.fn.__name__, _major(args[0]), constexprs)
+        major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
+        configs = _launch_configs(kernel.fn.__name__, major, constexprs)
         key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
         if len(configs) > 1 and key not in _TUNED:
             _TUNED[key] = min(configs, key=lambda options: _time(
@@ -1143,96 +918,50 @@ def _tuned(kernel, grid):
     return launch
 
 
-# The most shared memory a block of the backward asks, KiB, by zxbcdt's dtype, over Triton 3.6 to
-# 3.9 and sm_80 to sm_90 (python tools/gpu_evidence.py compile; the forward asks less): float32
-# needs 88 under Triton 3.9 but 112 under 3.6 and 160 under 3.7, more than sm_86 and sm_89 give
+# The most shared memory (KiB) a backward block asks over Triton 3.6-3.9 and sm_80-sm_90 (float32:
+# 160 under Triton 3.7, more than sm_86/89 give)
 _SHARED_KIB = {torch.float32: 160, torch.bfloat16: 89, torch.float16: 89}
 
 
 def fused_refusal(x):
-    """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None (also for
-    CPU tensors): mixer's "auto" then takes the PyTorch path, impl="triton" refuses."""
+    """Why the fused kernels cannot run for zxbcdt x on its GPU, in one sentence, or None."""
     if not x.is_cuda:
         return None
     gpu = torch.cuda.get_device_properties(x.device)
+    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
     if x.dtype == torch.float64:
         return ("float64: the fused backward would need 256 KB of shared memory a block, more than "
                 "any GPU has")
     if gpu.major < 8:
         return (f"{gpu.name} has compute capability {gpu.major}.{gpu.minor}: the fused kernels "
                 f"need 8.0 or newer (bf16 and tf32 tensor cores)")
-    has = getattr(gpu, "shared_memory_per_block_optin", 0) // 1024
     if has and has < _SHARED_KIB.get(x.dtype, 0):
-        dtype = str(x.dtype).removeprefix("torch.")
-        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused {dtype} "
-                f"backward may ask {_SHARED_KIB[x.dtype]} KB (bf16 autocast asks less)")
+        return (f"{gpu.name} gives a block {has} KB of shared memory and the fused "
+                f"{str(x.dtype).removeprefix('torch.')} backward may ask {_SHARED_KIB[x.dtype]} KB "
+                f"(bf16 autocast asks less)")
     return None
 
 
-def _halves(states, tiles):
-    # a descriptor that moves one (PP, NH) half of a saved mixer state per load or store. The state
-    # lives in the matmul's register layout, and a per-element pointer store from there holds ~100
-    # more registers a thread than the descriptor's copy through shared memory (TMA on Hopper).
-    PP, NH = tiles["PP"], tiles["NH"]
-    return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
-
-
-def _major(x):
-    # the compute capability's major number of x's GPU (0 for CPU tensors, the interpreter)
-    return torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 0
-
-
-def _reset_bytes(reset):
-    return None if reset is None else reset.contiguous().view(torch.uint8)
-
-
-def _launchable(x, what):
-    torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
-    if triton is None:
-        raise RuntimeError(f"{what}: impl='triton' needs Triton, which does not import here (it "
-                           f"ships for Linux); {torch_path}")
-    if _version(triton.__version__) < TRITON_NEEDED:
-        needed = ".".join(map(str, TRITON_NEEDED))
-        raise RuntimeError(f"{what}: impl='triton' needs Triton >= {needed} but found Triton "
-                           f"{triton.__version__}; upgrade it, or {torch_path}")
-    why = fused_refusal(x)
-    if why:
-        raise RuntimeError(f"{what}: impl='triton' cannot run here: {why}; {torch_path}")
-    if not x.is_cuda and not _INTERPRETED:
-        raise RuntimeError(f"{what}: impl='triton' on CPU tensors runs only through Triton's "
-                           f"interpreter: set TRITON_INTERPRET=1 before triton is imported, or "
-                           f"{torch_path}")
-
-
 def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=None):
-    """(B, L, H, P, G, N, S, C, R), after checking that zxbcdt and the parameters fit together and
-    the kernels (C: tokens a chunk; R: the MIMO rank, B_bias (H, R, N) for R > 1)."""
+    """(B, L, H, P, G, N, S, C, R) once zxbcdt, the parameters and the kernels fit together."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
     P, G, S, C = headdim, ngroups, n_angles, chunk_size
     if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
-        raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO: mimo=None) "
-                         f"or a power of 2 from 2 to 32 (a chunk's rows are its tokens' ranks); "
-                         f"got {R}: use impl='torch' (MAMBA3_IMPL=torch) for other ranks")
-    bias = (H, N) if mimo is None else (H, R, N)
-    if B_bias.shape != bias or mimo is not None and any(m.shape != (H, R, P) for m in mimo):
-        raise ValueError(f"mixer: B_bias must be {bias} and the mimo vectors (H, R, P) = "
-                         f"{(H, R, P)}, got {tuple(B_bias.shape)} and "
-                         f"{[tuple(m.shape) for m in mimo or ()]}")
-    if not isinstance(C, int) or C * R < 16 or C & (C - 1):
-        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
-                         f"mimo_rank >= 16 rows (tl.dot's minimum), got {C} (rank {R})")
+        raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
+                         f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
+                         f"impl='torch' (MAMBA3_IMPL=torch) for other ranks")
     width = sum(split_sizes(H, P, G, N, S, R))
-    if zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width:
-        raise ValueError(f"mixer: zxbcdt must be (B, L, 2HP + 2RGN + 3H + S) = (B, L, {width}) "
-                         f"with L >= 1 for H={H}, P={P}, R={R}, G={G}, N={N}, S={S}; got "
-                         f"{tuple(zxbcdt.shape)}")
-    if H % G or N % 2 or 2 * S > N:
-        raise ValueError(f"mixer: impl='triton' needs ngroups dividing the {H} heads, d_state even "
-                         f"and n_angles <= d_state / 2; got ngroups={G}, d_state={N}, n_angles={S}")
-    if zxbcdt.dtype not in _TL_DTYPE:
-        raise ValueError(f"mixer: impl='triton' takes zxbcdt in float16, bfloat16, float32 or "
-                         f"float64, got {zxbcdt.dtype}")
+    if (zxbcdt.dim() != 3 or zxbcdt.shape[1] == 0 or zxbcdt.shape[2] != width
+            or zxbcdt.dtype not in _TL_DTYPE):
+        raise ValueError(f"mixer: impl='triton' takes zxbcdt (B, L >= 1, 2HP + 2RGN + 3H + S = "
+                         f"{width}) for H={H}, P={P}, R={R}, G={G}, N={N}, S={S} in float16, "
+                         f"bfloat16, float32 or float64; got {tuple(zxbcdt.shape)} {zxbcdt.dtype}")
+    if not isinstance(C, int) or C * R < 16 or C & (C - 1) or H % G or N % 2 or 2 * S > N:
+        raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
+                         f"mimo_rank >= 16 (tl.dot's minimum), ngroups dividing the {H} heads, "
+                         f"d_state even and n_angles <= d_state / 2; got chunk_size={C}, rank {R}, "
+                         f"ngroups={G}, d_state={N}, n_angles={S}")
     return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
 
 
@@ -1240,28 +969,33 @@ def _chunks(L, tiles):
     return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
 
 
-def _setup(zxbcdt, B_bias, sizes, mimo):
-    """What a launch needs: the shapes (_mixer_shapes), the tiles, the chunks nc, the accumulator
-    dtype, zxbcdt with a unit stride and the mimo vectors (None for SISO)."""
+def _setup(zxbcdt, B_bias, sizes, mimo, reset):
+    """The shapes, tiles, chunks, accumulator dtype, zxbcdt, mimo vectors and reset of a launch."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
-    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo
+    reset = None if reset is None else reset.contiguous().view(torch.uint8)
+    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo, reset
+
+
+def _halves(states, tiles):
+    # (PP, NH) halves of saved states through a descriptor: ~100 fewer registers than pointers
+    PP, NH = tiles["PP"], tiles["NH"]
+    return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
 
 def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
                    ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
                    mimo_o=None):
-    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH): even state dims, then odd
-    ones, phase (B*H, nc, S))."""
-    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
+    """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH), phase (B*H, nc, S))."""
+    (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo, reset = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):  # on zx's GPU (-1: no-op)
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
                                _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
@@ -1272,11 +1006,9 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
 def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                     states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
                     mimo_x=None, mimo_z=None, mimo_o=None):
-    """Launch _mixer_bwd and _sum_heads: (dzxbcdt, d dt_bias, d B_norm_weight, d C_norm_weight,
-    d B_bias, d C_bias, d D, d mimo_x, d mimo_z, d mimo_o (empty for SISO)); the parameters'
-    per-(b, h, chunk) sums are added up here."""
-    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts = _setup(
-        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o))
+    """Launch _mixer_bwd, _sum_heads: dzxbcdt and the parameters' gradients (SISO mimo: empty)."""
+    (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts, reset = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     width = 2 * R * N + 2 * N + 2  # of a row of dparam
     with torch.cuda.device(zx.device.index if zx.is_cuda else -1):
@@ -1284,22 +1016,21 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
         dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
-        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), _reset_bytes(reset), dt_bias,
+        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
                                B_norm_weight, C_norm_weight, B_bias.contiguous(),
                                C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
                                dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
                                dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
                                P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
-        TB = 32
-        _tuned(_sum_heads, (Bsz, triton.cdiv(L, TB)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
-                                                      R, H=H, G=G, P=P, N=N, S=S, TB=TB,
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
+                                                      R, H=H, G=G, P=P, N=N, S=S, TB=32,
                                                       NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
+    # the parameters' per-(b, h, chunk) sums added up; copies: a custom op's outputs may not alias
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
     dB_w, dC_w = dparam[:, 2 * R * N:-2].view(H, 2, N).sum(0)
     grads = (dparam[:, -2], dB_w, dC_w, dB_bias, dC_bias, dparam[:, -1])
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-    # copies: a custom op's outputs may not alias each other
     grads = [g.to(p.dtype, copy=True) for g, p in zip(grads, params)]
     if mimo_x is None:
         return (dzx, *grads, *(zx.new_empty(0) for _ in range(3)))
@@ -1308,10 +1039,8 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
 
 
 if triton is not None:
-    # The fused region as two custom ops (forward, backward) with fake implementations and an
-    # autograd formula, so that torch.compile treats the Triton launches as opaque calls with known
-    # output shapes. The mimo vectors come last, None for SISO (whose op then returns empty
-    # tensors for their gradients).
+    # The fused region as two custom ops with fake implementations and an autograd formula, opaque
+    # to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
     Tensor = torch.Tensor
     Mimo = Optional[Tensor]
 
@@ -1353,10 +1082,10 @@ if triton is not None:
           phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
           mimo_o=None):
         params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-        dzx = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
         mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
                 for m in (mimo_x, mimo_z, mimo_o)]
-        return (dzx, *(torch.empty_like(p) for p in params), *mimo)
+        return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
+                *(torch.empty_like(p) for p in params), *mimo)
 
     def _mixer_setup_context(ctx, inputs, output):
         *tensors, reset = inputs[:8]
@@ -1377,12 +1106,21 @@ if triton is not None:
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
-    """mixer_torch's region (without a decoding state) as three Triton launches: _mixer_fwd
-    forward, _mixer_bwd and _sum_heads backward, through the custom op mamba3::mixer_fwd. mimo:
-    None (SISO) or (mimo_x, mimo_z, mimo_o), as for mixer_torch. Returns out (B, L, H*P)."""
-    _launchable(zxbcdt, "mixer")
+    """mixer_torch's out (without a decoding state) from the custom op mamba3::mixer_fwd."""
+    torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
+    if triton is None or _version(triton.__version__) < TRITON_NEEDED:
+        found = f"found Triton {triton.__version__}" if triton else "none imports (Linux only)"
+        need = ".".join(map(str, TRITON_NEEDED))
+        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but {found}; install or "
+                           f"upgrade it, or {torch_path}")
+    if why := fused_refusal(zxbcdt):
+        raise RuntimeError(f"mixer: impl='triton' cannot run here: {why}; {torch_path}")
+    if not zxbcdt.is_cuda and not _INTERPRETED:
+        raise RuntimeError(f"mixer: impl='triton' on CPU tensors runs only through Triton's "
+                           f"interpreter: set TRITON_INTERPRET=1 before importing triton, or "
+                           f"{torch_path}")
     _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo)
-    _check_reset(reset, zxbcdt.shape[0], zxbcdt.shape[1], "mixer")
+    _check_reset(reset, *zxbcdt.shape[:2], "mixer")
     return _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                          headdim, ngroups, n_angles, chunk_size, float(A_floor), float(eps),
                          *(mimo or ()))[0]
@@ -1407,25 +1145,28 @@ def _resolve(impl, x):
     return impl
 
 
-def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
-    """The Mamba-3 scan, SISO or with a rank axis (the module docstring's shapes). Returns y shaped
-    as x, in x's dtype, and the final state (S, k_prev, x_prev).
+def _check_reset(reset, B, L, what):
+    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, L)):
+        raise ValueError(f"{what}: reset must be a (B, L) = {(B, L)} bool tensor, got "
+                         f"{reset.dtype} {tuple(reset.shape)}")
 
-    impl: "recurrent" (the oracle), "torch" (the chunked form, chunk_size tokens a chunk) or
-    "auto", which is the chunked form unless the environment variable MAMBA3_IMPL says
-    "recurrent". The scan has no Triton kernel of its own: on CUDA, Triton runs it fused into the
-    mixer region (mixer, mixer_triton), so impl="triton" is refused here (and MAMBA3_IMPL=triton,
-    which picks the mixer's path, leaves the scan alone on the chunked form). reset (B, L) bool:
-    the state entering a marked position is zero (a document starts there)."""
+
+def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", reset=None):
+    """The scan (the module docstring's shapes): y as x, and the final state (S, k_prev, x_prev).
+    impl: "recurrent", "torch" (chunked) or "auto" ("torch" unless MAMBA3_IMPL says "recurrent").
+    Triton runs the scan only inside the mixer region: impl="triton" is refused here."""
     if impl == "triton":
         raise ValueError("ssd: the scan alone has no Triton kernel (Triton runs it inside the "
                          "mixer region: mixer(impl='triton')); use impl='torch' or 'recurrent'")
     impl = "recurrent" if _resolve(impl, x) == "recurrent" else "torch"
-    _check_shapes(x, q, k, log_a, gamma, beta)
+    shapes = [tuple(t.shape) for t in (x, q, k, log_a, gamma, beta)]
+    if (x.dim() not in (4, 5) or x.shape[1] == 0 or q.shape != k.shape
+            or q.shape[:-1] != x.shape[:-1] or any(s != shapes[0][:3] for s in shapes[3:])):
+        raise ValueError(f"ssd: x must be (B, L >= 1, H, [R,] P), q and k (B, L, H, [R,] N), "
+                         f"log_a, gamma and beta (B, L, H); got {shapes}")
     _check_reset(reset, x.shape[0], x.shape[1], "ssd")
     if x.dim() == 4:  # SISO: the same scan with a rank axis of one
-        if state is not None:
-            state = (state[0], state[1][:, :, None], state[2][:, :, None])
+        state = None if state is None else (state[0], state[1][:, :, None], state[2][:, :, None])
         y, (S, k_last, x_last) = ssd(x[:, :, :, None], q[:, :, :, None], k[:, :, :, None], log_a,
                                      gamma, beta, state, chunk_size, impl, reset)
         return y[:, :, :, 0], (S, k_last[:, :, 0], x_last[:, :, 0])
@@ -1439,20 +1180,17 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
           mimo=None):
     """The mixer region, in_proj's output -> out_proj's input: (out (B, L, H*P), state).
 
-    impl: "recurrent" or "torch" (mixer_torch, its scan so), "triton" (the fused kernels,
-    mixer_triton), or "auto": Triton for CUDA tensors when it imports, else torch; the environment
-    variable MAMBA3_IMPL overrides "auto" (handy to A/B the paths without touching code). The fused
-    kernels take no decoding state, so with one (Phi, S, k_prev, x_prev), prefill or a decode step,
-    "triton" runs mixer_torch with the chunked scan (exact: a float32 state) and the state after
-    the last token comes back (None without). mimo: None (SISO) or (mimo_x, mimo_z, mimo_o) of a
-    MIMO layer, on every path (a rank the kernels cannot take is refused, naming --mimo-rank).
-    Where the fused kernels cannot run (float64 on a GPU, a GPU older than compute capability 8.0:
-    fused_refusal), "auto" takes the PyTorch path with a warning, and "triton" refuses."""
+    impl: "recurrent" or "torch" (mixer_torch), "triton" (mixer_triton; with a decoding state
+    mixer_torch's chunked scan), or "auto" (MAMBA3_IMPL, else Triton for CUDA tensors when it
+    imports). Where the fused kernels cannot run (fused_refusal), "auto" warns and takes the
+    PyTorch path, "triton" refuses."""
     asked = impl if impl != "auto" else os.environ.get("MAMBA3_IMPL")
     impl = _resolve(impl, zxbcdt)
-    if impl == "triton" and asked is None and fused_refusal(zxbcdt):
-        _note_fallback(fused_refusal(zxbcdt))
-        impl = "torch"
+    why = impl == "triton" and asked is None and fused_refusal(zxbcdt)
+    if why and not torch.compiler.is_compiling():  # (a warning in a compile trace breaks the graph)
+        warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
+                      f"without this note)", stacklevel=2)
+    impl = "torch" if why else impl
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
@@ -1460,29 +1198,3 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
         return mixer_triton(zxbcdt, *params, mimo=mimo, **kw), None
     scan = "torch" if impl == "triton" else impl
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
-
-
-def _note_fallback(why):
-    # one line, the first time (a warning inside a torch.compile trace would break the graph)
-    if not torch.compiler.is_compiling():
-        warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
-                      f"without this note)", stacklevel=3)
-
-
-def _check_shapes(x, q, k, log_a, gamma, beta):
-    if x.dim() not in (4, 5) or x.shape[1] == 0:
-        raise ValueError(f"ssd: x must be (B, L, H, P), or (B, L, H, R, P) with R ranks, with "
-                         f"L >= 1, got {tuple(x.shape)}")
-    B, L, H = x.shape[:3]
-    if q.shape != k.shape or q.shape[:-1] != x.shape[:-1]:
-        raise ValueError(f"ssd: q and k must be {tuple(x.shape[:-1]) + ('N',)}, as x without its "
-                         f"last dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    for name, t in (("log_a", log_a), ("gamma", gamma), ("beta", beta)):
-        if t.shape != (B, L, H):
-            raise ValueError(f"ssd: {name} must be (B, L, H) = {(B, L, H)}, got {tuple(t.shape)}")
-
-
-def _check_reset(reset, B, L, what):
-    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, L)):
-        raise ValueError(f"{what}: reset must be a (B, L) = {(B, L)} bool tensor, got "
-                         f"{reset.dtype} {tuple(reset.shape)}")

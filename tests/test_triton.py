@@ -140,7 +140,7 @@ def test_mixer_float32_long_sequence(exact_float32):
 
 @interpreter
 @pytest.mark.parametrize("dt_shift", [30.0, -30.0])  # dt ~ 30: total forgetting; dt ~ 1e-13: none, no input
-# the interpreter evaluates both sides of _softplus' tl.where: 0 / 0 where 1 + e^v rounds to 1, not selected
+# the interpreter evaluates both sides of _dt_lam's softplus tl.where: 0 / 0 where 1 + e^v rounds to 1, not selected
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 def test_mixer_extreme_decays_stay_finite(dt_shift, exact_float32):
     zx, params, reset, sizes = mixer_case(2, 130, 2, 16, 1, 16, 4, 64, True)
