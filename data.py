@@ -299,9 +299,9 @@ class TokenSource:
         lo, hi = self.id_range()
         if lo < 0 or hi >= vocab_size:
             theirs = f" (its tokenizer has {self.vocab_size} ids)" if self.vocab_size else ""
-            raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}), the model's "
-                            f"vocabulary, found {hi if hi >= vocab_size else lo}{theirs}; use a "
-                            "model with a larger vocabulary or data made with its tokenizer")
+            raise DataError(f"{self.path}: expected token ids in [0, {vocab_size}) for a model "
+                            f"with vocab_size {vocab_size}, found {hi if hi >= vocab_size else lo}"
+                            f"{theirs}; use a larger vocabulary or data made with its tokenizer")
         self._vocab, self.unchecked = vocab_size, set(range(len(self.files) * self.recorded))
 
     def read(self, start: int, n: int) -> np.ndarray:
