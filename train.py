@@ -410,24 +410,21 @@ def write(path, text, append=False):
 
 
 def move_aside(out, step, files, prefix):
-    """Move the checkpoint `files` of steps after `step` and their records into a new
-    OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted. A journal in a hidden
-    directory lists the files (each step's meta last) before finish_moves moves them."""
-    names = [p.name for s in sorted(files) if s > step
-             for p in sorted(files[s], key=lambda p: p.suffix == ".json")]
-    names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
-    if names:  # (--overwrite moves the old run's config too)
+    """Move the checkpoint `files` of steps after `step` (step -1: and config.json) and their
+    records into a new OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted.
+    A journal in a hidden directory names `step` before finish_moves moves them."""
+    if any(s > step for s in files):
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
         name = next(n for i in range(99) if not (out / (n := base + f"-{i}" * (i > 0))).exists())
         (out / f".{name}.moving").mkdir()
-        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
+        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step)))
     return finish_moves(out, step)
 
 
 def finish_moves(out, step=None):
     """Do the moves journalled in OUT/.NAME.moving/ (then named NAME, returned) and drop records
-    after `step`. The next run finishes one a killed run left before it reads a step: so no step
-    is split in two, nor taken for leftovers."""
+    after `step`. The next run finishes one a killed run left before it reads or writes a step
+    (so the steps after the journal's are still the ones to move): no step is split in two."""
     metrics, aside, records = out / "metrics.jsonl", None, []
     text = metrics.read_text() if metrics.exists() else ""
     for line in text.splitlines():
@@ -437,14 +434,15 @@ def finish_moves(out, step=None):
         if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
             shutil.rmtree(stage)
             continue
-        job = json.loads((stage / "journal.json").read_text())
-        for name in [n for n in job["files"] if (out / n).exists()]:
+        after = json.loads((stage / "journal.json").read_text())["step"]
+        names = [p.name for s, ps in ckpt.step_files(out).items() if s > after for p in ps]
+        for name in names + ["config.json"] * (after < 0 and (out / "config.json").exists()):
             os.replace(out / name, stage / name)
-        write(stage / metrics.name, "".join(line for line, s in records if s > job["step"]))
+        write(stage / metrics.name, "".join(line for line, s in records if s > after))
         os.replace(stage, aside := out / stage.name[1:-len(".moving")])  # the move, whole
         data.fsync(out)
         (aside / "journal.json").unlink()
-        step = min(job["step"], math.inf if step is None else step)
+        step = min(after, math.inf if step is None else step)
     keep = "".join(line for line, s in records if step is None or s <= step)
     if keep != text:  # records dropped, or a last line without its newline (the next would join it)
         write(metrics, keep)
