@@ -490,7 +490,7 @@ def resume(cfg, model, optimizer, batches, log):
             was, now = (" ".join(d) for d in (meta["config"]["data"], cfg.data))
             raise TrainError(f"{out} step {step} was trained on --data {was}, not {now}: add "
                              "--new-data to continue on it, or --resume never or another --out-dir")
-        if meta["data"] is not None and same:  # (new data starts at its beginning)
+        if same:  # (new data starts at its beginning)
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
             raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}")
