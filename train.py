@@ -461,12 +461,18 @@ def data_identity(batches):
     return ids
 
 
-def resume(cfg, model, optimizer, batches, log):
-    """Load what --resume asks for (weights, optimizer, data position, RNGs: it goes on bit for
-    bit) -> its meta, or None. Once all that cannot continue is refused, newer steps (a branch
-    left, steps that fail to verify; with --overwrite, the old run) and their records move aside."""
-    out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None
+def resume(cfg, model, optimizer, batches, log, cleanup):
+    """Lock the directory (rank 0), load what --resume asks for (weights, optimizer, data position,
+    RNGs: bit for bit) -> its meta, or None. Once all that cannot continue is refused, newer steps
+    (a branch left, steps failing to verify; --overwrite: the old run) and records go aside."""
+    out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None  # (rank 0 writes)
+    if cfg.resume.isdigit():
+        ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
     if writes:
+        if (out / official.MARKER).is_file():
+            raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would "
+                             f"overwrite its config.json; use another --out-dir")
+        cleanup.enter_context(ckpt.lock(out))  # one run per directory
         finish_moves(out)  # what a run killed while moving steps aside left: done first
     if (files := ckpt.step_files(out)) and cfg.resume == "never" and not cfg.overwrite:
         raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}): use --resume "
@@ -573,14 +579,6 @@ def setup(cfg, init, tmp, cleanup):
         fully_shard(model, mp_policy=MixedPrecisionPolicy(*mp))
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
                                   betas=(0.9, 0.95), eps=1e-8, fused=cfg.device == "cuda")
-    out = Path(cfg.out_dir)
-    if cfg.resume.isdigit():
-        ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
-    if rank == 0 and not cfg.dry_run:  # rank 0 alone writes
-        if (out / official.MARKER).is_file():
-            raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would "
-                             f"overwrite its config.json; use another --out-dir")
-        cleanup.enter_context(ckpt.lock(out))  # one run per directory
     return rank, world, local, batches, val, model, optimizer
 
 
@@ -588,7 +586,7 @@ def run(cfg, init, tmp, cleanup):
     """Set up, then train; cleanup (an ExitStack) releases what the setup takes, however it ends."""
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
     log = Log(cfg, rank)
-    meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
+    meta = resume(cfg, raw_model, optimizer, batches, log, cleanup) or dict(step=0, skipped_steps=0)
     step = meta["step"]
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
