@@ -464,7 +464,7 @@ def data_identity(batches):
 def resume(cfg, model, optimizer, batches, log, cleanup):
     """Lock the directory (rank 0), load what --resume asks for (weights, optimizer, data position,
     RNGs: bit for bit) -> its meta, or None. Once all that cannot continue is refused, newer steps
-    (a branch left, steps failing to verify; --overwrite: the old run) and records go aside."""
+    (a branch left, unverifiable steps; --overwrite: the old run) and their records move aside."""
     out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None  # (rank 0 writes)
     if cfg.resume.isdigit():
         ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
