@@ -410,24 +410,21 @@ def write(path, text, append=False):
 
 
 def move_aside(out, step, files, prefix):
-    """Move the checkpoint `files` of steps after `step` and their records into a new
-    OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted. A journal in a hidden
-    directory lists the files (each step's meta last) before finish_moves moves them."""
-    names = [p.name for s in sorted(files) if s > step
-             for p in sorted(files[s], key=lambda p: p.suffix == ".json")]
-    names += ["config.json"] * bool(names and step < 0 and (out / "config.json").exists())
-    if names:  # (--overwrite moves the old run's config too)
+    """Move the checkpoint `files` of steps after `step` (step -1: and config.json) and their
+    records into a new OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted.
+    A journal in a hidden directory names `step` before finish_moves moves them."""
+    if any(s > step for s in files):
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
         name = next(n for i in range(99) if not (out / (n := base + f"-{i}" * (i > 0))).exists())
         (out / f".{name}.moving").mkdir()
-        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step, files=names)))
+        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step)))
     return finish_moves(out, step)
 
 
 def finish_moves(out, step=None):
     """Do the moves journalled in OUT/.NAME.moving/ (then named NAME, returned) and drop records
-    after `step`. The next run finishes one a killed run left before it reads a step: so no step
-    is split in two, nor taken for leftovers."""
+    after `step`. The next run finishes one a killed run left before it reads or writes a step
+    (so the steps after the journal's are still the ones to move): no step is split in two."""
     metrics, aside, records = out / "metrics.jsonl", None, []
     text = metrics.read_text() if metrics.exists() else ""
     for line in text.splitlines():
@@ -437,14 +434,15 @@ def finish_moves(out, step=None):
         if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
             shutil.rmtree(stage)
             continue
-        job = json.loads((stage / "journal.json").read_text())
-        for name in [n for n in job["files"] if (out / n).exists()]:
+        after = json.loads((stage / "journal.json").read_text())["step"]
+        names = [p.name for s, ps in ckpt.step_files(out).items() if s > after for p in ps]
+        for name in names + ["config.json"] * (after < 0 and (out / "config.json").exists()):
             os.replace(out / name, stage / name)
-        write(stage / metrics.name, "".join(line for line, s in records if s > job["step"]))
+        write(stage / metrics.name, "".join(line for line, s in records if s > after))
         os.replace(stage, aside := out / stage.name[1:-len(".moving")])  # the move, whole
         data.fsync(out)
         (aside / "journal.json").unlink()
-        step = min(job["step"], math.inf if step is None else step)
+        step = min(after, math.inf if step is None else step)
     keep = "".join(line for line, s in records if step is None or s <= step)
     if keep != text:  # records dropped, or a last line without its newline (the next would join it)
         write(metrics, keep)
@@ -463,12 +461,18 @@ def data_identity(batches):
     return ids
 
 
-def resume(cfg, model, optimizer, batches, log):
-    """Load what --resume asks for (weights, optimizer, data position, RNGs: it goes on bit for
-    bit) -> its meta, or None. Once all that cannot continue is refused, newer steps (a branch
-    left, steps that fail to verify; with --overwrite, the old run) and their records move aside."""
-    out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None
+def resume(cfg, model, optimizer, batches, log, cleanup):
+    """Lock the directory (rank 0), load what --resume asks for (weights, optimizer, data position,
+    RNGs: bit for bit) -> its meta, or None. Once all that cannot continue is refused, newer steps
+    (a branch left, unverifiable steps; --overwrite: the old run) and their records move aside."""
+    out, writes, step, meta = Path(cfg.out_dir), log.path is not None, None, None  # (rank 0 writes)
+    if cfg.resume.isdigit():
+        ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
     if writes:
+        if (out / official.MARKER).is_file():
+            raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would "
+                             f"overwrite its config.json; use another --out-dir")
+        cleanup.enter_context(ckpt.lock(out))  # one run per directory
         finish_moves(out)  # what a run killed while moving steps aside left: done first
     if (files := ckpt.step_files(out)) and cfg.resume == "never" and not cfg.overwrite:
         raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}): use --resume "
@@ -492,7 +496,7 @@ def resume(cfg, model, optimizer, batches, log):
             was, now = (" ".join(d) for d in (meta["config"]["data"], cfg.data))
             raise TrainError(f"{out} step {step} was trained on --data {was}, not {now}: add "
                              "--new-data to continue on it, or --resume never or another --out-dir")
-        if meta["data"] is not None and same:  # (new data starts at its beginning)
+        if same:  # (new data starts at its beginning)
             batches.load_state_dict(meta["data"])
         if cfg.max_steps < step:
             raise TrainError(f"--max-steps {cfg.max_steps} is below the resumed step {step}")
@@ -575,14 +579,6 @@ def setup(cfg, init, tmp, cleanup):
         fully_shard(model, mp_policy=MixedPrecisionPolicy(*mp))
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr,
                                   betas=(0.9, 0.95), eps=1e-8, fused=cfg.device == "cuda")
-    out = Path(cfg.out_dir)
-    if cfg.resume.isdigit():
-        ckpt.read_meta(out, int(cfg.resume))  # a step that does not exist: refused before the lock
-    if rank == 0 and not cfg.dry_run:  # rank 0 alone writes
-        if (out / official.MARKER).is_file():
-            raise TrainError(f"{out} is an export (it holds {official.MARKER}): a run would "
-                             f"overwrite its config.json; use another --out-dir")
-        cleanup.enter_context(ckpt.lock(out))  # one run per directory
     return rank, world, local, batches, val, model, optimizer
 
 
@@ -590,7 +586,7 @@ def run(cfg, init, tmp, cleanup):
     """Set up, then train; cleanup (an ExitStack) releases what the setup takes, however it ends."""
     rank, world, local, batches, val, raw_model, optimizer = setup(cfg, init, tmp, cleanup)
     log = Log(cfg, rank)
-    meta = resume(cfg, raw_model, optimizer, batches, log) or dict(step=0, skipped_steps=0)
+    meta = resume(cfg, raw_model, optimizer, batches, log, cleanup) or dict(step=0, skipped_steps=0)
     step = meta["step"]
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, max_steps=step + 2, log_every=1)
