@@ -22,6 +22,7 @@ workers included, within a second or so (exit 130 or 143).
 import contextlib
 import dataclasses
 import gzip
+import hashlib
 import inspect
 import json
 import multiprocessing
@@ -42,8 +43,8 @@ from rich.progress import Progress
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError, cli_errors,
-                  fsync, load_tokenizer, open_tokens, read_manifest, replace_dir,
-                  sha256, shard_problem, split_totals, write_atomic)
+                  load_tokenizer, open_tokens, read_manifest, replace_dir, sha256, shard_problem,
+                  split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -299,19 +300,22 @@ class ShardWriter:
                 name = f"{self.split}_{len(self.shards):05d}.bin"
                 self.f = open(self.directory / name, "wb", buffering=1 << 23)
                 self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
+                self.hash = hashlib.sha256()  # as it is written: no second read of the shard
             begin, e = int(ends[i - 1]) if i else 0, self.entry
             room = begin + self.shard_tokens - e["tokens"]
             j = max(i + 1, int(np.searchsorted(ends, room, side="right")))  # documents i .. j-1
             chunk = tokens[begin : int(ends[j - 1])]
             self.f.write(chunk.data)
+            self.hash.update(chunk.data)
             e["tokens"], e["documents"], i = e["tokens"] + len(chunk), e["documents"] + j - i, j
             e["max_token_id"] = max(e["max_token_id"], int(chunk.max()))
 
     def close(self):
         if self.f is not None:
+            self.f.flush()
+            os.fsync(self.f.fileno())
             self.f.close()
-            fsync(self.f.name)
-            self.shards.append({**self.entry, "sha256": sha256(self.f.name)})  # of what is on disk
+            self.shards.append({**self.entry, "sha256": self.hash.hexdigest()})
             self.f = None
 
 
