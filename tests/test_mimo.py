@@ -326,38 +326,6 @@ def test_the_model_on_the_fused_path_matches_the_torch_path(monkeypatch, R):
         assert (a - b).abs().max() <= 1e-10 * max(1.0, b.abs().max())
 
 
-@pytest.mark.slow
-@pytest.mark.interpreter
-def test_the_compiled_mimo_model_matches_eager_through_the_custom_op(monkeypatch):
-    # torch.compile(fullgraph=True) traces the fused MIMO region as the opaque op mamba3::mixer_fwd
-    # (its fake implementation gives the shapes, the mimo gradients' too) and its registered
-    # backward. aot_eager: the op's tracing is what is tested here, inductor's code generation
-    # around it is test_triton.py's (true float32 products: tf32's cut operands would show the
-    # last bits compile changes elsewhere)
-    tiles = kernels._mixer_tiles
-    monkeypatch.setattr(kernels, "_mixer_tiles", lambda *a: dict(tiles(*a), PREC="ieee"))
-    monkeypatch.setenv("MAMBA3_IMPL", "triton")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    calls = []
-    forward, backward = kernels._mixer_forward, kernels._mixer_backward
-    monkeypatch.setattr(kernels, "_mixer_forward", lambda *a: calls.append("fwd") or forward(*a))
-    monkeypatch.setattr(kernels, "_mixer_backward", lambda *a: calls.append("bwd") or backward(*a))
-    model = tiny(2, reset_token=3, n_layer=1).float()
-    idx = torch.randint(0, 100, (2, 13))
-    idx[0, 5] = 3
-    results = []
-    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
-        model.zero_grad()
-        _, loss = fn(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
-    torch._dynamo.reset()
-    assert calls == ["fwd", "bwd", "fwd", "bwd"]
-    for a, b in zip(*results):
-        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max())
-
-
 @pytest.mark.interpreter
 def test_the_fused_mimo_ops_pass_opcheck():
     zx, params, reset, sizes = fused_case(1, 11, 2, 16, 1, 16, 4, 8, 2, True)

@@ -410,10 +410,12 @@ def test_kernels_compile_for_sm90_in_every_configuration():
 
 @pytest.mark.slow
 @interpreter
-def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_float32):
+@pytest.mark.parametrize("R,backend", [(1, "inductor"), (2, "aot_eager")])
+def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_float32, R, backend):
     # (true float32 products: with tf32's cut operands the last bits that compile changes elsewhere would show)
-    # torch.compile(fullgraph=True, inductor) traces the fused region as the opaque custom op mamba3::mixer_fwd
-    # (its fake implementation gives the shapes) and its registered backward; loss and gradients match eager
+    # torch.compile(fullgraph=True) traces the fused region as the opaque custom op mamba3::mixer_fwd (its fake
+    # implementation gives the shapes, MIMO's gradients' too) and its registered backward; loss and gradients match
+    # eager. MIMO on aot_eager: the op's tracing is the point there, inductor's code around it SISO's
     import dataclasses
 
     from model import PRESETS, Mamba3LM
@@ -428,11 +430,15 @@ def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_f
     monkeypatch.setattr(kernels, "_mixer_forward", lambda *a: calls.append("fwd") or forward(*a))
     monkeypatch.setattr(kernels, "_mixer_backward", lambda *a: calls.append("bwd") or backward(*a))
     torch.manual_seed(0)
-    model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=50, n_layer=1, reset_token=3))
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=50, n_layer=1, reset_token=3, mimo_rank=R)
+    model = Mamba3LM(config)
+    with torch.no_grad():  # every parameter away from its init (MIMO's ones and 1/R), so each one matters
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     idx = torch.randint(0, 50, (2, 13))  # one chunk: the tracing is the point, not the scan
     idx[0, 5] = 3
     results = []
-    for fn in (model, torch.compile(model, fullgraph=True)):
+    for fn in (model, torch.compile(model, fullgraph=True, backend=backend)):
         model.zero_grad()
         _, loss = fn(idx[:, :-1], idx[:, 1:])
         loss.backward()
