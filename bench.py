@@ -53,7 +53,6 @@ Preset = enum.Enum("Preset", {name: name for name in PRESETS}, type=str)  # an E
 
 
 def machine() -> str:
-    """One line naming the machine the figures come from."""
     info = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
     cpu = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
     cpu = cpu[1].strip() if cpu else platform.processor() or platform.machine()
@@ -230,7 +229,6 @@ def bench_loaders(path, L, B, reps, per_call):
         ids = np.random.default_rng(seed).permutation(W)[: n * B].reshape(n, B)
         batches = itertools.cycle([prepare(b) for b in ids])
         return lambda: batch_fn(next(batches))
-    # the limit: the same kind of windows copied into a fresh (B, L+1) int64 buffer
     if len(shards) == 1:  # one file: one strided gather of all the rows, then the conversion
         view = np.lib.stride_tricks.as_strided(shards[0], (W, L + 1), (2 * L, 2), writeable=False)
         limit = contender(1, lambda ids: view[ids].astype(np.int64), lambda ids: ids)
