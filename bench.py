@@ -302,11 +302,10 @@ def data(
         shards.mkdir(parents=True, exist_ok=True)
         stream = np.random.default_rng(0).integers(0, 50257, tokens, dtype=np.uint16)
         stream.tofile(one)
-        files = [shards / f"shard_{k:06d}.bin" for k in range(-(-tokens // shard_tokens))]
-        for k, f in enumerate(files):
-            stream[k * shard_tokens : (k + 1) * shard_tokens].tofile(f)
+        for k in range(0, tokens, shard_tokens):
+            stream[k : k + shard_tokens].tofile(shards / f"shard_{k // shard_tokens:06d}.bin")
         streams = {f"one {tokens / 1e6:g}M-token file": one,
-                   f"{len(files):,} files of {shard_tokens:,} tokens": shards}
+                   f"{-(-tokens // shard_tokens):,} files of {shard_tokens:,} tokens": shards}
         for label, path in streams.items():
             t, check = bench_loaders(path, L, B, reps, per_call)
             checks.append(f"{label}: {check * 1e3:.0f} ms")
