@@ -206,9 +206,8 @@ class BPETokenizer:
         return np.asarray(self.encode(text), dtype=np.uint32)
 
     def decode(self, ids):
-        if self._file:
-            return self._bpe.decode(list(ids), skip_special_tokens=False)
-        return self._bpe.decode(list(ids))
+        return (self._bpe.decode(list(ids), skip_special_tokens=False) if self._file else
+                self._bpe.decode(list(ids)))
 
 
 def load_tokenizer(spec: dict, directory=None, path=None):
@@ -275,8 +274,7 @@ class TokenSource:
                                 "--data-dtype, or a truncated file?")
         self.files = [f for f in map(Path, files) if f.stat().st_size]  # (memmap refuses empty)
         # plain ndarray views: slicing one is several times cheaper than slicing a memmap
-        self.tokens = [np.memmap(f, dtype=self.dtype, mode="r").view(np.ndarray)
-                       for f in self.files]
+        self.tokens = [np.memmap(f, self.dtype, "r").view(np.ndarray) for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
         self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
         self.recorded = max_token_id is not None  # trusted, so that a run starts at once
@@ -683,18 +681,16 @@ def _blend(consumed, counts, shares, lo, B, n):
     their share (weight a[k] / D: eligible for sample g when c[k] < (g + 1) a[k] / D, deadline
     (c[k] + 1) / a[k]) keeps every prefix within a sample of its shares; "largest deficit first"
     does not (tests/test_data.py)."""
-    a, D = shares
-    c = list(counts)
-    src, idx = np.empty(B, np.int64), np.empty(B, np.int64)
-    for i in range(n):
-        g, best = consumed + i, -1
+    (a, D), c, picks = shares, list(counts), []  # picks: (source, its index) of each sample
+    for g in range(consumed, consumed + n):
+        best = -1
         for k in range(len(c)):  # (in integers, cross-multiplied: Fractions cost 8x)
             eligible = c[k] * D < (g + 1) * a[k]
             if eligible and (best < 0 or (c[k] + 1) * a[best] < (c[best] + 1) * a[k]):
                 best = k
-        if lo <= i < lo + B:
-            src[i - lo], idx[i - lo] = best, c[best]
+        picks.append((best, c[best]))
         c[best] += 1
+    src, idx = np.array(picks[lo : lo + B]).T
     return src, idx, tuple(c)
 
 
