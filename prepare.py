@@ -47,7 +47,6 @@ from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataE
                   split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
-TEXT_SUFFIXES = (".txt", ".md", ".py")
 BATCH_BYTES = 1 << 20  # text per task sent to a worker: enough to amortise the inter-process copy
 PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice of one row group
 
@@ -76,7 +75,7 @@ class Options:
 def _kind(path: Path):  # "parquet" (compressed inside, never gzipped whole), "jsonl", "text", None
     name = path.name.removesuffix(".gz")
     return ("parquet" if path.name.endswith(".parquet") else "jsonl" if name.endswith(".jsonl")
-            else "text" if name.endswith(TEXT_SUFFIXES) else None)
+            else "text" if name.endswith((".txt", ".md", ".py")) else None)
 
 
 def find_inputs(paths) -> list:
@@ -171,7 +170,6 @@ def _batched(documents):  # lists of about BATCH_BYTES of documents
 # tokenization, in worker processes
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-_SURROGATE = re.compile("[\ud800-\udfff]")
 JSON_TYPES = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
@@ -182,8 +180,8 @@ def _encode_batch(tok, docs, dtype, text_field):
     for kind, raw, (_, f, lineno) in docs:
         text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
         bad += text.count("\ufffd") - raw.count("\ufffd".encode())
-        if kind == "jsonl":  # lone surrogates (\ud800 escapes) are not UTF-8
-            text, n = _SURROGATE.subn("\ufffd", _json_text(text, text_field, f"{f}:{lineno}"))
+        if kind == "jsonl":
+            text, n = _json_text(text, text_field, f"{f}:{lineno}")
             bad += n
         ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
@@ -192,7 +190,7 @@ def _encode_batch(tok, docs, dtype, text_field):
 
 
 def _json_text(line, text_field, where):
-    """The text field of a jsonl line; a DataError says what is wrong with the line."""
+    """(the text field of a jsonl line, lone surrogates replaced, their count), or a DataError."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -206,7 +204,7 @@ def _json_text(line, text_field, where):
                  f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
         raise DataError(f"{where}: expected a JSON object with a string {field} field "
                         f"(--text-field), found {found}")
-    return value
+    return re.subn("[\ud800-\udfff]", "\ufffd", value)  # lone surrogates (\ud800 escapes): no UTF-8
 
 
 def _worker(conn, parents_end, tok):
