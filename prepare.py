@@ -320,11 +320,10 @@ class ShardWriter:
 def _ours(old: Path) -> set:
     """What of a replaced output is prepare.py's (the rest is a user's, and is kept)."""
     try:
-        m = read_manifest(old)
+        splits = read_manifest(old)["splits"].values()
     except DataError:  # not an earlier output: --overwrite asked to replace it
         return {p.name for p in old.iterdir()}
-    return {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values()
-                                           for s in split["shards"]}
+    return {MANIFEST, "tokenizer.json", *(s["file"] for split in splits for s in split["shards"])}
 
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
