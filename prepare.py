@@ -386,8 +386,8 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
-    docs = empty = undecodable = tokens = n_val = 0
-    held = None  # a batch is written when the next comes: the last document may yet be val's
+    docs = empty = undecodable = tokens = 0
+    held = [np.empty(0, t) for t in (dtype, np.int64, bool)]  # none yet: an empty batch
     def add(toks, lengths, is_val):  # is_val (D,) says which documents are validation's
         v = np.repeat(is_val, lengths)  # (N,) which tokens are
         writers["val"].add(toks[v], lengths[is_val])
@@ -401,17 +401,16 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
             undecodable, empty = undecodable + bad, empty + int((lengths == 0).sum())
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
-            docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
+            docs, tokens = docs + len(lengths), tokens + len(toks)
             bar.update(task, completed=files_done, description=f"tokenizing: {docs:,} docs "
                        f"{tokens:,} tokens {tokens / (time.perf_counter() - t0 + 1e-9):,.0f} tok/s")
-            if len(lengths):
-                if held is not None:
-                    add(*held)
+            if len(lengths):  # a batch waits for the next: its last document may be val's
+                add(*held)
                 held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
-    if n_val == 0 and f:  # round(docs * f) is 0: the last document is the validation split
+    if 0 < 2 * docs * f < 1:  # round(docs * f), _is_val's count, is 0: the last is validation's
         held[2][-1] = True
     add(*held)
     for w in writers.values():
