@@ -259,8 +259,7 @@ def _encoded(files, tok, dtype, conns, text_field):
         return
     pending = []  # (files done, pipe) of the batches in the workers, oldest first
     def take(files_done, conn):
-        result = conn.recv()
-        if isinstance(result, Exception):
+        if isinstance(result := conn.recv(), Exception):
             raise result
         return files_done, *result
     try:
@@ -332,24 +331,22 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
+    out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
+    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
     for ok, flag, want, value in [
             (0 <= o.val_fraction < 1, "--val-fraction", "a fraction in [0, 1)", o.val_fraction),
             (o.shard_tokens >= 1, "--shard-tokens", "a positive number of tokens", o.shard_tokens),
-            (o.workers >= 1, "--workers", "at least 1", o.workers)]:
+            (o.workers >= 1, "--workers", "at least 1", o.workers),
+            (not tok_file or tok_file.is_file(), "--tokenizer",
+             "gpt2, byte or a tokenizer.json file", f"{tokenizer!r} (no such file)"),
+            (not out.exists() or out.is_dir(), f"--out-dir {out}", "a directory", "a file")]:
         if not ok:
             raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
-    out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
-    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
-    if tok_file and not tok_file.is_file():
-        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
-                        f"{tokenizer!r} (no such file)")
     tok = load_tokenizer({"name": tokenizer} if tok_file is None else {
         "name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
         "eos_token": o.eos_token}, path=tok_file)
     # refuse an --out-dir whose replacement would lose something
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out-dir {out}: expected a directory, found a file")
     if inside := [f for f in files if out.resolve() in f.resolve().parents]:
         raise DataError(f"--out-dir {out}: contains the input {inside[0]}, and would be replaced; "
                         "write somewhere else")
