@@ -47,7 +47,6 @@ from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataE
                   split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
-TEXT_SUFFIXES = (".txt", ".md", ".py")
 BATCH_BYTES = 1 << 20  # text per task sent to a worker: enough to amortise the inter-process copy
 PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice of one row group
 
@@ -76,7 +75,7 @@ class Options:
 def _kind(path: Path):  # "parquet" (compressed inside, never gzipped whole), "jsonl", "text", None
     name = path.name.removesuffix(".gz")
     return ("parquet" if path.name.endswith(".parquet") else "jsonl" if name.endswith(".jsonl")
-            else "text" if name.endswith(TEXT_SUFFIXES) else None)
+            else "text" if name.endswith((".txt", ".md", ".py")) else None)
 
 
 def find_inputs(paths) -> list:
@@ -171,7 +170,6 @@ def _batched(documents):  # lists of about BATCH_BYTES of documents
 # tokenization, in worker processes
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-_SURROGATE = re.compile("[\ud800-\udfff]")
 JSON_TYPES = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
 WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ran short"
 
@@ -182,8 +180,8 @@ def _encode_batch(tok, docs, dtype, text_field):
     for kind, raw, (_, f, lineno) in docs:
         text = raw.decode("utf-8", "replace")  # count the U+FFFD that replace bytes, not the text's
         bad += text.count("\ufffd") - raw.count("\ufffd".encode())
-        if kind == "jsonl":  # lone surrogates (\ud800 escapes) are not UTF-8
-            text, n = _SURROGATE.subn("\ufffd", _json_text(text, text_field, f"{f}:{lineno}"))
+        if kind == "jsonl":
+            text, n = _json_text(text, text_field, f"{f}:{lineno}")
             bad += n
         ids = tok.encode_array(text).astype(dtype, copy=False)
         pieces += [ids, eos] if text else []
@@ -192,7 +190,7 @@ def _encode_batch(tok, docs, dtype, text_field):
 
 
 def _json_text(line, text_field, where):
-    """The text field of a jsonl line; a DataError says what is wrong with the line."""
+    """(the text field of a jsonl line, lone surrogates replaced, their count), or a DataError."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -206,7 +204,7 @@ def _json_text(line, text_field, where):
                  f"the keys {', '.join(map(json.dumps, sorted(obj)[:5]))}")
         raise DataError(f"{where}: expected a JSON object with a string {field} field "
                         f"(--text-field), found {found}")
-    return value
+    return re.subn("[\ud800-\udfff]", "\ufffd", value)  # lone surrogates (\ud800 escapes): no UTF-8
 
 
 def _worker(conn, parents_end, tok):
@@ -261,8 +259,7 @@ def _encoded(files, tok, dtype, conns, text_field):
         return
     pending = []  # (files done, pipe) of the batches in the workers, oldest first
     def take(files_done, conn):
-        result = conn.recv()
-        if isinstance(result, Exception):
+        if isinstance(result := conn.recv(), Exception):
             raise result
         return files_done, *result
     try:
@@ -322,11 +319,10 @@ class ShardWriter:
 def _ours(old: Path) -> set:
     """What of a replaced output is prepare.py's (the rest is a user's, and is kept)."""
     try:
-        m = read_manifest(old)
+        splits = read_manifest(old)["splits"].values()
     except DataError:  # not an earlier output: --overwrite asked to replace it
         return {p.name for p in old.iterdir()}
-    return {MANIFEST, "tokenizer.json"} | {s["file"] for split in m["splits"].values()
-                                           for s in split["shards"]}
+    return {MANIFEST, "tokenizer.json", *(s["file"] for split in splits for s in split["shards"])}
 
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
@@ -335,24 +331,22 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
+    out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
+    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
     for ok, flag, want, value in [
             (0 <= o.val_fraction < 1, "--val-fraction", "a fraction in [0, 1)", o.val_fraction),
             (o.shard_tokens >= 1, "--shard-tokens", "a positive number of tokens", o.shard_tokens),
-            (o.workers >= 1, "--workers", "at least 1", o.workers)]:
+            (o.workers >= 1, "--workers", "at least 1", o.workers),
+            (not tok_file or tok_file.is_file(), "--tokenizer",
+             "gpt2, byte or a tokenizer.json file", f"{tokenizer!r} (no such file)"),
+            (not out.exists() or out.is_dir(), f"--out-dir {out}", "a directory", "a file")]:
         if not ok:
             raise DataError(f"{flag}: expected {want}, found {value}")
     check_parquet(files, o.text_field)
-    out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
-    tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
-    if tok_file and not tok_file.is_file():
-        raise DataError(f"--tokenizer: expected gpt2, byte or a tokenizer.json file, found "
-                        f"{tokenizer!r} (no such file)")
     tok = load_tokenizer({"name": tokenizer} if tok_file is None else {
         "name": "file", "file": "tokenizer.json", "sha256": sha256(tok_file),
         "eos_token": o.eos_token}, path=tok_file)
     # refuse an --out-dir whose replacement would lose something
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out-dir {out}: expected a directory, found a file")
     if inside := [f for f in files if out.resolve() in f.resolve().parents]:
         raise DataError(f"--out-dir {out}: contains the input {inside[0]}, and would be replaced; "
                         "write somewhere else")
@@ -389,8 +383,8 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writers = {s: ShardWriter(stage, s, o.shard_tokens) for s in ("train", "val")}
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
-    docs = empty = undecodable = tokens = n_val = 0
-    held = None  # a batch is written when the next comes: the last document may yet be val's
+    docs = empty = undecodable = tokens = 0
+    held = [np.empty(0, t) for t in (dtype, np.int64, bool)]  # none yet: an empty batch
     def add(toks, lengths, is_val):  # is_val (D,) says which documents are validation's
         v = np.repeat(is_val, lengths)  # (N,) which tokens are
         writers["val"].add(toks[v], lengths[is_val])
@@ -404,17 +398,16 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
             undecodable, empty = undecodable + bad, empty + int((lengths == 0).sum())
             lengths = lengths[lengths > 0]
             is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
-            docs, tokens, n_val = docs + len(lengths), tokens + len(toks), n_val + is_val.sum()
+            docs, tokens = docs + len(lengths), tokens + len(toks)
             bar.update(task, completed=files_done, description=f"tokenizing: {docs:,} docs "
                        f"{tokens:,} tokens {tokens / (time.perf_counter() - t0 + 1e-9):,.0f} tok/s")
-            if len(lengths):
-                if held is not None:
-                    add(*held)
+            if len(lengths):  # a batch waits for the next: its last document may be val's
+                add(*held)
                 held = toks, lengths, is_val
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")
-    if n_val == 0 and f:  # round(docs * f) is 0: the last document is the validation split
+    if 0 < 2 * docs * f < 1:  # round(docs * f), _is_val's count, is 0: the last is validation's
         held[2][-1] = True
     add(*held)
     for w in writers.values():
