@@ -173,24 +173,14 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, h):
-        return F.rms_norm(h, (h.shape[-1],), self.weight, self.eps)
-
-
 class Block(nn.Module):
     """h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm1 = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = Mamba3Mixer(cfg)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
+        self.norm2 = nn.RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
         self.mlp = SwiGLU(cfg) if cfg.mlp_hidden else None
 
     def forward(self, h, cache=None, impl="auto", reset=None):
@@ -207,7 +197,7 @@ class Mamba3LM(nn.Module):
         self.grad_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more
         self.embed = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_f = nn.RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.lm_head.weight = self.embed.weight  # tied: one tensor, two uses
         # init: embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
