@@ -55,7 +55,6 @@ SHARED = [k for k in MAMBA3_DEFAULTS if hasattr(ModelConfig, k)]  # ModelConfig'
 MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
 # no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
-# the mixer's tensors in our names; the official ones are the same but B_norm.weight, C_norm.weight
 MIXER_NAMES = ("in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
                "D", "out_proj.weight")
 MIMO_NAMES = ("mimo_x", "mimo_z", "mimo_o")  # MIMO's own, the same names both ways
@@ -137,7 +136,7 @@ def _reorder_state_dims(state, cfg, back=False):
     # a new state dict (ours) with every mixer's state dims in the official MIMO kernel's order
     # (its dim o is our order[o]; the unrotated keep theirs), or `back` from it: the B and C rows
     # of in_proj (R x G blocks of N each, after z | x), B and C's norm weights and biases
-    N, S, h, lo = cfg.d_state, cfg.n_angles, cfg.d_state // 2, 2 * cfg.n_heads * cfg.headdim
+    N, S, h, lo = cfg.d_state, cfg.n_angles, cfg.d_state // 2, 2 * cfg.d_inner
     order = torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
                          [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
     order, hi = order.argsort() if back else order, lo + 2 * cfg.mimo_rank * cfg.ngroups * N
@@ -173,7 +172,7 @@ def official_state_dict(state, cfg) -> dict:
 
 def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     """An official state dict (of MIMO layers if `mimo`, of cfg's rank or 1) -> ours, checked
-    against our model; a CheckpointError names `where`. The padding rows are zeros."""
+    against our model (a CheckpointError names `where`); padding rows zeros, extra rows cut."""
     fold, misfit = mimo and cfg.mimo_rank == 1, f"{where} does not fit its config.json"
     names = _names(cfg, fold)
     missing, unexpected = names.keys() - state.keys(), state.keys() - {*names, "lm_head.weight"}
@@ -190,7 +189,6 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
            zip(ours, state[theirs].chunk(2) if len(ours) == 2 else [state[theirs]])}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
-    # padding rows of zeros (or rows beyond ours cut: F.pad's negative padding)
     out["lm_head.weight"] = out["embed.weight"] = F.pad(emb, (0, 0, 0, cfg.padded_vocab - len(emb)))
     vectors = {k: out.pop(k) for k in list(out) if k.endswith(MIMO_NAMES)} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
@@ -255,7 +253,7 @@ def read_pretrained(path):
     """(ModelConfig fields, state dict in our names, tokenizer spec or None) to start from, of a
     train.py run directory or a directory in the official format (an export, anyone's Mamba-3)."""
     p = Path(path)
-    if p.is_dir() and ckpt.step_files(p):
+    if ckpt.step_files(p):
         model, meta, _ = load_model(p)
         return dataclasses.asdict(model.config), model.state_dict(), meta.get("tokenizer")
     weights = [p / n for n in ("model.safetensors", "pytorch_model.bin") if (p / n).is_file()]
