@@ -52,7 +52,6 @@ MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fracti
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
 SHARED = [k for k in MAMBA3_DEFAULTS if hasattr(ModelConfig, k)]  # ModelConfig's names for them too
-MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
 # no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
 MIXER_NAMES = ("in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
@@ -95,7 +94,7 @@ def config_from_official(config: dict, where) -> dict:
     ssm = {**MAMBA3_DEFAULTS, **(c.get("ssm_cfg") or {})}
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
     layer = ssm.get("layer", "Mamba1")  # (the official default)
-    R = ssm.get("mimo_rank", MIMO_RANK) if ssm["is_mimo"] else 1
+    R = ssm.get("mimo_rank", 4) if ssm["is_mimo"] else 1  # (the official default)
     problems = [what for bad, what in [
         (missing, f"missing {', '.join(sorted(missing))}"),
         (unknown, f"unknown fields {', '.join(sorted(unknown))}"),
@@ -118,8 +117,7 @@ def config_from_official(config: dict, where) -> dict:
 
 
 def _names(cfg, mimo=False):
-    # {official key: our keys} of every tensor that keeps its values (not lm_head): fc1 is our
-    # [up; gate]; the MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)
+    # {official key: our keys}, lm_head aside, with the MIMO vectors for MIMO (`mimo`: rank 1 too)
     mixer = MIXER_NAMES + MIMO_NAMES * (mimo or cfg.mimo_rank > 1)
     layer = {"norm.weight": ["norm1.weight"]}
     layer |= {f"mixer.{a.replace('norm_w', 'norm.w')}": [f"mixer.{a}"] for a in mixer}
@@ -133,9 +131,8 @@ def _names(cfg, mimo=False):
 
 
 def _reorder_state_dims(state, cfg, back=False):
-    # a new state dict (ours) with every mixer's state dims in the official MIMO kernel's order
-    # (its dim o is our order[o]; the unrotated keep theirs), or `back` from it: the B and C rows
-    # of in_proj (R x G blocks of N each, after z | x), B and C's norm weights and biases
+    # a copy (ours) with each mixer's state dims in the official MIMO kernel's order, or `back`:
+    # B and C's rows of in_proj (R x G blocks of N, after z | x), norm weights and biases
     N, S, h, lo = cfg.d_state, cfg.n_angles, cfg.d_state // 2, 2 * cfg.d_inner
     order = torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
                          [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
