@@ -73,8 +73,7 @@ class ModelConfig:
 PRESETS = {
     "tiny": ModelConfig(n_layer=2, d_model=64, headdim=16, d_state=16, mlp_hidden=128,
                         chunk_size=16),
-    "small": ModelConfig(n_layer=4, d_model=256, headdim=64, d_state=32, mlp_hidden=512,
-                         chunk_size=64),
+    "small": ModelConfig(n_layer=4, d_model=256, d_state=32, mlp_hidden=512),
     "180m": ModelConfig(n_layer=12, d_model=768, mlp_hidden=1536),
     "440m": ModelConfig(n_layer=24, d_model=1024, mlp_hidden=2048),
     "880m": ModelConfig(n_layer=24, d_model=1536, mlp_hidden=3072),
@@ -173,24 +172,14 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, h):
-        return F.rms_norm(h, (h.shape[-1],), self.weight, self.eps)
-
-
 class Block(nn.Module):
     """h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm1 = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = Mamba3Mixer(cfg)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
+        self.norm2 = nn.RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp_hidden else None
         self.mlp = SwiGLU(cfg) if cfg.mlp_hidden else None
 
     def forward(self, h, cache=None, impl="auto", reset=None):
@@ -207,7 +196,7 @@ class Mamba3LM(nn.Module):
         self.grad_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more
         self.embed = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.norm_f = nn.RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.lm_head.weight = self.embed.weight  # tied: one tensor, two uses
         # init: embedding N(0, 0.02); Linear layers keep PyTorch's default, and the two
@@ -240,8 +229,7 @@ class Mamba3LM(nn.Module):
         state in and out (4RPN)."""
         cfg = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        C, R = min(cfg.chunk_tokens, seq_len), cfg.mimo_rank
-        P, N = cfg.headdim, cfg.d_state
+        C, R, P, N = min(cfg.chunk_tokens, seq_len), cfg.mimo_rank, cfg.headdim, cfg.d_state
         scan = cfg.n_layer * cfg.n_heads * (2 * C * R * R * (N + P) + 4 * R * P * N)
         return 6 * matmul_params + 3 * scan
 
@@ -256,8 +244,7 @@ class Mamba3LM(nn.Module):
         """idx (B, L) -> final-normed hidden states (B, L, d_model)."""
         h = self.embed(idx)
         reset = self.resets(idx)
-        for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[i]
+        for block, layer_cache in zip(self.blocks, cache or [None] * len(self.blocks)):
             if self.grad_checkpointing and torch.is_grad_enabled() and cache is None:
                 h = checkpoint(block, h, None, impl, reset, use_reentrant=False)
             else:
@@ -285,12 +272,9 @@ class Mamba3LM(nn.Module):
         cfg, p = self.config, self.embed.weight
         fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
         B, H, P, N, S = batch_size, cfg.n_heads, cfg.headdim, cfg.d_state, cfg.n_angles
-        R = cfg.mimo_rank
-        k = (B, H, N) if R == 1 else (B, H, R, N)
-        return [dict(phi=torch.zeros(B, H, S, dtype=fdt, device=p.device),
-                     S=torch.zeros(B, H, P, N, dtype=fdt, device=p.device),
-                     k_prev=torch.zeros(k, dtype=p.dtype, device=p.device),
-                     x_prev=torch.zeros(B, H, P, dtype=p.dtype, device=p.device))
+        k = (B, H, N) if cfg.mimo_rank == 1 else (B, H, cfg.mimo_rank, N)
+        return [dict(phi=p.new_zeros(B, H, S, dtype=fdt), S=p.new_zeros(B, H, P, N, dtype=fdt),
+                     k_prev=p.new_zeros(k), x_prev=p.new_zeros(B, H, P))
                 for _ in range(cfg.n_layer)]
 
     def _clear_after_reset(self, last, cache):

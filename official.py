@@ -20,8 +20,8 @@ MIMO with is_mimo and mimo_rank R), its blocks are ours and its head is tied. Wh
 
 For MIMO, our chunk_size counts rows and the official one tokens (theirs is ours / R), and the
 official kernel rotates state dim n with n + N/2 where we rotate (2n, 2n + 1): a fixed permutation
-of the state dims (halves()). An official MIMO layer of rank 1 comes in as SISO, its mimo_x, mimo_z
-and mimo_o folded into in_proj and out_proj. What the official modules cannot rebuild is refused.
+of the state dims. An official MIMO layer of rank 1 comes in as SISO, its mimo_x, mimo_z and mimo_o
+folded into in_proj and out_proj. What the official modules cannot rebuild is refused.
 """
 import dataclasses
 import json
@@ -52,10 +52,8 @@ MAMBA3_DEFAULTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fracti
                        dt_max=1e-1, dt_init_floor=1e-4, A_floor=1e-4, chunk_size=64,
                        is_outproj_norm=False, is_mimo=False)
 SHARED = [k for k in MAMBA3_DEFAULTS if hasattr(ModelConfig, k)]  # ModelConfig's names for them too
-MIMO_RANK = 4  # the official mimo_rank where is_mimo leaves it out
 # no effect here (mimo_rank without is_mimo, fuse_pregate_headwise_norm without the output norm)
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
-# the mixer's tensors in our names; the official ones are the same but B_norm.weight, C_norm.weight
 MIXER_NAMES = ("in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight",
                "D", "out_proj.weight")
 MIMO_NAMES = ("mimo_x", "mimo_z", "mimo_o")  # MIMO's own, the same names both ways
@@ -96,7 +94,7 @@ def config_from_official(config: dict, where) -> dict:
     ssm = {**MAMBA3_DEFAULTS, **(c.get("ssm_cfg") or {})}
     extra = sorted(ssm.keys() - MAMBA3_DEFAULTS.keys() - MAMBA3_INERT)
     layer = ssm.get("layer", "Mamba1")  # (the official default)
-    R = ssm.get("mimo_rank", MIMO_RANK) if ssm["is_mimo"] else 1
+    R = ssm.get("mimo_rank", 4) if ssm["is_mimo"] else 1  # (the official default)
     problems = [what for bad, what in [
         (missing, f"missing {', '.join(sorted(missing))}"),
         (unknown, f"unknown fields {', '.join(sorted(unknown))}"),
@@ -118,37 +116,28 @@ def config_from_official(config: dict, where) -> dict:
                 norm_eps=NORM_EPS, reset_token=None, mimo_rank=R, chunk_size=ssm["chunk_size"] * R)
 
 
-def _name_pairs(cfg, mimo=False):
-    # (our key, official key) of every tensor that keeps its values (not fc1, lm_head); with the
-    # MIMO vectors when cfg is MIMO (or `mimo`: the official rank-1 MIMO layer's)
+def _names(cfg, mimo=False):
+    # {official key: our keys}, lm_head aside, with the MIMO vectors for MIMO (`mimo`: rank 1 too)
     mixer = MIXER_NAMES + MIMO_NAMES * (mimo or cfg.mimo_rank > 1)
-    layer = [("norm1.weight", "norm.weight")]
-    layer += [(f"mixer.{a}", f"mixer.{a.replace('norm_w', 'norm.w')}") for a in mixer]
+    layer = {"norm.weight": ["norm1.weight"]}
+    layer |= {f"mixer.{a.replace('norm_w', 'norm.w')}": [f"mixer.{a}"] for a in mixer}
     if cfg.mlp_hidden:
-        layer += [("norm2.weight", "norm2.weight"), ("mlp.down.weight", "mlp.fc2.weight")]
-    pairs = [("embed.weight", "embedding.weight"), ("norm_f.weight", "norm_f.weight")] + [
-        (f"blocks.{i}.{a}", f"layers.{i}.{b}") for i in range(cfg.n_layer) for a, b in layer]
-    return [(a, "backbone." + b) for a, b in pairs]
+        layer |= {"norm2.weight": ["norm2.weight"], "mlp.fc1.weight": ["mlp.up.weight",
+                  "mlp.gate.weight"], "mlp.fc2.weight": ["mlp.down.weight"]}
+    names = {"embedding.weight": ["embed.weight"], "norm_f.weight": ["norm_f.weight"]} | {
+        f"layers.{i}.{b}": [f"blocks.{i}.{a}" for a in ours] for i in range(cfg.n_layer)
+        for b, ours in layer.items()}
+    return {"backbone." + b: ours for b, ours in names.items()}
 
 
-def _fc1(cfg):  # (official fc1 = [up; gate], our up, our gate) per layer
-    return [(f"backbone.layers.{i}.mlp.fc1.weight", f"blocks.{i}.mlp.up.weight",
-             f"blocks.{i}.mlp.gate.weight") for i in range(cfg.n_layer) if cfg.mlp_hidden]
-
-
-def halves(cfg):
-    """The official MIMO kernel's order of our N state dims (its dim o is our halves(cfg)[o]): it
-    rotates n with n + N // 2 for n < S, we 2n with 2n + 1; the unrotated dims keep their order."""
-    N, S, h = cfg.d_state, cfg.n_angles, cfg.d_state // 2
-    return torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
-                        [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
-
-
-def _reorder_state_dims(state, cfg, order):
-    # a new state dict (ours) with every mixer's state dims taken in `order`: the B and C rows of
-    # in_proj (R x G blocks of N each, after z | x), B and C's norm weights and biases
-    N, lo = cfg.d_state, 2 * cfg.n_heads * cfg.headdim
-    hi, state = lo + 2 * cfg.mimo_rank * cfg.ngroups * N, dict(state)
+def _reorder_state_dims(state, cfg, back=False):
+    # a copy (ours) with each mixer's state dims in the official MIMO kernel's order, or `back`:
+    # B and C's rows of in_proj (R x G blocks of N, after z | x), norm weights and biases
+    N, S, h, lo = cfg.d_state, cfg.n_angles, cfg.d_state // 2, 2 * cfg.d_inner
+    order = torch.tensor([2 * n for n in range(S)] + list(range(2 * S, h + S)) +
+                         [2 * n + 1 for n in range(S)] + list(range(h + S, N)))
+    order, hi = order.argsort() if back else order, lo + 2 * cfg.mimo_rank * cfg.ngroups * N
+    state = dict(state)
     for m in (f"blocks.{i}.mixer." for i in range(cfg.n_layer)):
         W = state[m + "in_proj.weight"]
         state[m + "in_proj.weight"] = torch.cat([W[:lo], W[lo:hi].unflatten(0, (-1, N))[:, order]
@@ -161,7 +150,7 @@ def _reorder_state_dims(state, cfg, order):
 def official_state_dict(state, cfg) -> dict:
     """Our state dict -> the official one, or a CheckpointError naming what its blocks cannot hold
     (another MLP in model.py, say)."""
-    ours = {a for a, _ in _name_pairs(cfg)} | {k for _, *ks in _fc1(cfg) for k in ks}
+    ours = {k for ks in _names(cfg).values() for k in ks}
     extra, lacking = state.keys() - ours - {"lm_head.weight"}, ours - state.keys()
     if extra or lacking:  # blocks.0.mlp.fc.weight, blocks.1.mlp.fc.weight -> blocks.N.mlp.fc.weight
         extra, lacking = (", ".join(sorted({re.sub(r"^blocks\.\d+\.", "blocks.N.", k) for k in ks}))
@@ -169,21 +158,21 @@ def official_state_dict(state, cfg) -> dict:
         raise CheckpointError("the official blocks hold RMSNorm, the Mamba3 mixer, RMSNorm and a "
                               "gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot "
                               f"hold {extra}; they need {lacking}")
-    state = _reorder_state_dims(state, cfg, halves(cfg)) if cfg.mimo_rank > 1 else state
-    out = {theirs: state[ours].clone() for ours, theirs in _name_pairs(cfg)}
+    state = _reorder_state_dims(state, cfg) if cfg.mimo_rank > 1 else state
+    out = {theirs: torch.cat([state[k] for k in keys]) for theirs, keys in _names(cfg).items()}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, None]  # (H, N) -> (H, 1, N): the official MIMO rank axis
     emb = out["backbone.embedding.weight"][: cfg.vocab_size].clone()  # unpadded, and tied:
     out["lm_head.weight"] = out["backbone.embedding.weight"] = emb
-    return out | {fc1: torch.cat([state[up], state[gate]]) for fc1, up, gate in _fc1(cfg)}
+    return out
 
 
 def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     """An official state dict (of MIMO layers if `mimo`, of cfg's rank or 1) -> ours, checked
-    against our model; a CheckpointError names `where`. The padding rows are zeros."""
+    against our model (a CheckpointError names `where`); padding rows zeros, extra rows cut."""
     fold, misfit = mimo and cfg.mimo_rank == 1, f"{where} does not fit its config.json"
-    expected = {k for _, k in _name_pairs(cfg, fold)} | {fc1 for fc1, *_ in _fc1(cfg)}
-    missing, unexpected = expected - state.keys(), state.keys() - expected - {"lm_head.weight"}
+    names = _names(cfg, fold)
+    missing, unexpected = names.keys() - state.keys(), state.keys() - {*names, "lm_head.weight"}
     if missing or unexpected:
         raise CheckpointError(f"{misfit}: missing {sorted(missing) or 'none'}; unexpected "
                               f"{sorted(unexpected) or 'none'}")
@@ -193,12 +182,10 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     shape = (cfg.n_heads, 1, cfg.headdim)  # of the vectors folded into ours below
     for k in [k for k in state if fold and k.endswith(MIMO_NAMES) and state[k].shape != shape]:
         raise CheckpointError(f"{misfit}: {k} is {tuple(state[k].shape)}, not {shape}")
-    out = {ours: state[theirs] for ours, theirs in _name_pairs(cfg, fold)}
+    out = {k: v for theirs, ours in names.items() for k, v in  # fc1 in two: [up; gate]
+           zip(ours, state[theirs].chunk(2) if len(ours) == 2 else [state[theirs]])}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
         out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
-    for fc1, up, gate in _fc1(cfg):
-        out[up], out[gate] = state[fc1].chunk(2)
-    # padding rows of zeros (or rows beyond ours cut: F.pad's negative padding)
     out["lm_head.weight"] = out["embed.weight"] = F.pad(emb, (0, 0, 0, cfg.padded_vocab - len(emb)))
     vectors = {k: out.pop(k) for k in list(out) if k.endswith(MIMO_NAMES)} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
@@ -214,7 +201,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
         mx, mz, mo = (vectors[m + n].reshape(HP).to(W.dtype) for n in MIMO_NAMES)
         out[m + "in_proj.weight"] = W * torch.cat([mz, mx, mx.new_ones(len(W) - 2 * HP)])[:, None]
         out[m + "out_proj.weight"] = Wo * mo
-    return _reorder_state_dims(out, cfg, halves(cfg).argsort()) if mimo else out
+    return _reorder_state_dims(out, cfg, back=True) if mimo else out
 
 
 # -----------------------------------------------------------------------------
@@ -263,7 +250,7 @@ def read_pretrained(path):
     """(ModelConfig fields, state dict in our names, tokenizer spec or None) to start from, of a
     train.py run directory or a directory in the official format (an export, anyone's Mamba-3)."""
     p = Path(path)
-    if p.is_dir() and ckpt.step_files(p):
+    if ckpt.step_files(p):
         model, meta, _ = load_model(p)
         return dataclasses.asdict(model.config), model.state_dict(), meta.get("tokenizer")
     weights = [p / n for n in ("model.safetensors", "pytorch_model.bin") if (p / n).is_file()]
