@@ -1,7 +1,7 @@
 """tools/gpu_evidence.py: the GPU path's evidence that needs no GPU. Its commands refuse bad input the way the
-other CLIs do (and run through bench.py's old names), the launch recorder describes launches as the JIT
-specializes them, the byte counter sees the kernels and the eager ops, the official layer runs through the
-interpreter with every patch undone after, and (slow) every kernel the layer launches compiles for sm_90."""
+other CLIs do, the launch recorder describes launches as the JIT specializes them, the byte counter sees the
+kernels and the eager ops, the official layer runs through the interpreter with every patch undone after, and
+(slow) every kernel the layer launches compiles for sm_90."""
 import os
 import subprocess
 import sys
