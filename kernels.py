@@ -98,20 +98,13 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
     return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
 
 
-def decay_matrix(cs, same=None):
-    """D_ij = exp(cs_i - cs_j) (b, C, C) for j <= i (in one segment, given `same`), else 0."""
-    D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
-    return D if same is None else D.mul_(same)
-
-
 def _segment_decays(cs, seg):
-    """e, f (b, C), a (b,), zero across a reset, and same (b, C, C): i, j in one segment."""
+    """e, f (b, C) and a (b,), zero where their decay would cross a reset."""
     e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
     if seg is None:
-        return e, f, a, None
+        return e, f, a
     last = seg[:, -1:]
-    same = (seg[:, :, None] == seg[:, None, :]).to(cs.dtype)
-    return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0), same
+    return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0)
 
 
 def _rows(v, R):  # a token's value (b, C) on each of its R rows: (b, C*R)
@@ -125,17 +118,6 @@ def _per_token(v, R):  # row values (b, C*R) summed over each token's R rows: (b
 def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C) view (R = 1: diag)
     b, n, _ = A.shape
     return A.view(b, n // R, R, n // R, R).diagonal(dim1=1, dim2=3)
-
-
-def _weights(D, w, g, R=1):
-    """W on the chunk's rows from the tokens' D (b, C, C), w and g (gamma)."""
-    W = D * w[:, None, :]
-    if R > 1:
-        b, C, _ = W.shape
-        # (a copy: with one token a chunk, reshape would keep expand's shared memory)
-        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R).contiguous()
-    _own(W, R).copy_(g[:, None, None, :])
-    return W
 
 
 class ChunkedScan(torch.autograd.Function):
@@ -159,9 +141,9 @@ class ChunkedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
         # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
-        (b, CR, P), (BH, _, N) = X.shape, Sin0.shape
-        nc, R = b // BH, CR // cs.shape[1]
-        e, f, a, same = _segment_decays(cs, seg)
+        (b, CR, P), (BH, _, N), C = X.shape, Sin0.shape, cs.shape[1]
+        nc, R = b // BH, CR // C
+        e, f, a = _segment_decays(cs, seg)
         # what each chunk adds to the state (its last w already holds the next beta)
         Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
@@ -171,9 +153,16 @@ class ChunkedScan(torch.autograd.Function):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
-        D = decay_matrix(cs, same)
+        # D (above) and W = D o w on the chunk's rows, gamma on each token's own R x R block
+        D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
+        if seg is not None:
+            D.mul_(seg[:, :, None] == seg[:, None, :])
+        W = D * w[:, None, :]
+        if R > 1:  # (a copy: with one token a chunk, reshape would keep expand's shared memory)
+            W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, CR, CR).contiguous()
+        _own(W, R).copy_(g[:, None, None, :])
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
-        M = _weights(D, w, g, R).mul_(scores)
+        M = W.mul_(scores)
         ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)  # M: as cheap as redone
         # (into Xu's dead buffer: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
@@ -188,7 +177,7 @@ class ChunkedScan(torch.autograd.Function):
             dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
             (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
             nc, R = b // BH, CR // C
-            e, f, a, _ = _segment_decays(cs, seg)
+            e, f, a = _segment_decays(cs, seg)
             # intra-chunk: Y = M X
             dX = torch.bmm(M.transpose(1, 2), dY)
             dMD = torch.bmm(dY, X.transpose(1, 2))
