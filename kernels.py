@@ -56,20 +56,6 @@ def _compute_dtype(*tensors):
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _initial_state(state, x, k, dtype):
-    """(S0, k_prev, x_prev) in the compute dtype, zeros without a state. x (B, L, H, R, P)."""
-    if state is None:
-        (B, _, H, R, P), N = x.shape, k.shape[-1]
-        return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, R, N, dtype=dtype),
-                x.new_zeros(B, H, R, P, dtype=dtype))
-    return tuple(t.to(dtype) for t in state)
-
-
-def _final_state(S, x, k):
-    # the true state after the last token, and that token's k and x (the next beta term needs them)
-    return S.float() if S.dtype != torch.float64 else S, k[:, -1].clone(), x[:, -1].clone()
-
-
 # -----------------------------------------------------------------------------
 # the scan in PyTorch: the recurrence (the oracle) and the chunked form
 
@@ -82,20 +68,19 @@ def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
     return (S @ q.mT).mT, S
 
 
-def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
-    """The recurrence, one token at a time (ranked shapes): slow, the ground truth."""
-    dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
-    S, k_prev, x_prev = _initial_state(state, x, k, dtype)
-    inputs = [t.to(dtype) for t in (x, q, k, log_a, gamma, beta)]
+def ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset=None):
+    """The recurrence, one token at a time (ssd's ranked case): slow, the ground truth."""
+    S, k_prev, x_prev = state
+    inputs = [t.to(S.dtype) for t in (x, q, k, log_a, gamma, beta)]
     ys = []
     for t in range(x.shape[1]):
         if reset is not None:  # a document starts at t: nothing before it reaches it
-            keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # (B, 1, 1, 1)
+            keep = (~reset[:, t]).to(S.dtype)[:, None, None, None]  # (B, 1, 1, 1)
             S, k_prev, x_prev = S * keep, k_prev * keep, x_prev * keep
         y, S = recurrent_step(S, k_prev, x_prev, *(v[:, t] for v in inputs))
         ys.append(y)
         k_prev, x_prev = inputs[2][:, t], inputs[0][:, t]
-    return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
+    return torch.stack(ys, dim=1).to(x.dtype), (S, k[:, -1].clone(), x[:, -1].clone())
 
 
 def _segment_decays(cs, seg):
@@ -213,12 +198,11 @@ class ChunkedScan(torch.autograd.Function):
             return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
 
 
-def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
-    """The chunked form (ranked shapes): chunks of C tokens are the batch of ChunkedScan's bmms."""
+def ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size=64, reset=None):
+    """The chunked form (ssd's ranked case): C-token chunks are the batch of ChunkedScan's bmms."""
     (B, L, H, R, P), N, C = x.shape, q.shape[-1], chunk_size
-    dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
+    (S0, k_prev, x_prev), dtype = state, state[0].dtype
     with torch.autocast(x.device.type, enabled=False):
-        S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
         # w_s = gamma_s + beta_{s+1} (0 after the last token); the state entering the first chunk
         # is S0 plus the first token's beta term
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
@@ -239,7 +223,7 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
             F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C).cumsum(-1))
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)
         y = Y.view(B, H, nc, C, R, P).permute(0, 2, 3, 1, 4, 5).reshape(B, nc * C, H, R, P)[:, :L]
-    return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
+    return y.to(x.dtype), (S.view(B, H, P, N), k[:, -1].clone(), x[:, -1].clone())
 
 
 # -----------------------------------------------------------------------------
@@ -1159,6 +1143,11 @@ def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", res
         y, (S, k_last, x_last) = ssd(x[:, :, :, None], q[:, :, :, None], k[:, :, :, None], log_a,
                                      gamma, beta, state, chunk_size, impl, reset)
         return y[:, :, :, 0], (S, k_last[:, :, 0], x_last[:, :, 0])
+    # both forms start from (S0, k_prev, x_prev) in the compute dtype, zeros without a state
+    if state is None:
+        (B, _, H, R, P), N = x.shape, k.shape[-1]
+        state = (x.new_zeros(B, H, P, N), k.new_zeros(B, H, R, N), x.new_zeros(B, H, R, P))
+    state = tuple(t.to(_compute_dtype(x, q, k, log_a, gamma, beta)) for t in state)
     if impl == "recurrent":
         return ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset)
     return ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size, reset)
