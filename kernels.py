@@ -958,9 +958,17 @@ def _halves(states, tiles):
     return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
 
-def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
-                   ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
-                   mimo_o=None):
+# The fused region as two custom ops with fake implementations and an autograd formula, opaque
+# to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
+Tensor, Mimo = torch.Tensor, Optional[torch.Tensor]
+
+
+@torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
+def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor, C_norm_weight: Tensor,
+                  B_bias: Tensor, C_bias: Tensor, D: Tensor, reset: Optional[Tensor], headdim: int,
+                  ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
+                  mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH), phase (B*H, nc, S))."""
     (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo, reset = _setup(
         zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
@@ -976,9 +984,26 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
     return out, states, phase
 
 
-def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
-                    states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
-                    mimo_x=None, mimo_z=None, mimo_o=None):
+@_mixer_fwd_op.register_fake
+def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
+      n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
+    Bsz, L, _ = zxbcdt.shape
+    H, N, R = B_bias.shape[0], B_bias.shape[-1], 1 if mimo_x is None else mimo_x.shape[1]
+    tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype, R)
+    nc = _chunks(L, tiles)
+    return (zxbcdt.new_empty(Bsz, L, H * headdim),
+            zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
+            zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
+
+
+@torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
+def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
+                  C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
+                  reset: Optional[Tensor], states: Tensor, phase: Tensor, headdim: int,
+                  ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
+                  mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, Tensor]:
     """Launch _mixer_bwd, _sum_heads: dzxbcdt and the parameters' gradients (SISO mimo: empty)."""
     (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts, reset = _setup(
         zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
@@ -1011,70 +1036,34 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     return (dzx, *grads, *(g.to(m.dtype, copy=True) for g, m in zip(dmimo, lifts)))
 
 
-if triton is not None:
-    # The fused region as two custom ops with fake implementations and an autograd formula, opaque
-    # to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
-    Tensor = torch.Tensor
-    Mimo = Optional[Tensor]
+@_mixer_bwd_op.register_fake
+def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
+      phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
+      mimo_o=None):
+    params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
+    mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
+            for m in (mimo_x, mimo_z, mimo_o)]
+    return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
+            *(torch.empty_like(p) for p in params), *mimo)
 
-    @torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
-    def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
-                      C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
-                      reset: Optional[Tensor], headdim: int, ngroups: int, n_angles: int,
-                      chunk_size: int, A_floor: float, eps: float, mimo_x: Mimo = None,
-                      mimo_z: Mimo = None, mimo_o: Mimo = None) -> tuple[Tensor, Tensor, Tensor]:
-        return _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
-                              reset, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x,
-                              mimo_z, mimo_o)
 
-    @_mixer_fwd_op.register_fake
-    def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
-          n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
-        Bsz, L, _ = zxbcdt.shape
-        H, N, R = B_bias.shape[0], B_bias.shape[-1], 1 if mimo_x is None else mimo_x.shape[1]
-        tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype, R)
-        nc = _chunks(L, tiles)
-        return (zxbcdt.new_empty(Bsz, L, H * headdim),
-                zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
-                zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
+def _mixer_setup_context(ctx, inputs, output):
+    *tensors, reset = inputs[:8]
+    ctx.sizes = inputs[8:14]
+    _, states, phase = output
+    ctx.mark_non_differentiable(states, phase)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
+    ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
 
-    @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
-    def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
-                      C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
-                      reset: Optional[Tensor], states: Tensor, phase: Tensor, headdim: int,
-                      ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
-                      mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                 Tensor, Tensor]:
-        return _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias,
-                               D, reset, states, phase, headdim, ngroups, n_angles, chunk_size,
-                               A_floor, eps, mimo_x, mimo_z, mimo_o)
 
-    @_mixer_bwd_op.register_fake
-    def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
-          phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
-          mimo_o=None):
-        params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-        mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
-                for m in (mimo_x, mimo_z, mimo_o)]
-        return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
-                *(torch.empty_like(p) for p in params), *mimo)
+def _mixer_grad(ctx, dout, _dstates, _dphase):
+    saved = ctx.saved_tensors
+    grads = _mixer_bwd_op(dout, *saved[:10], *ctx.sizes, *saved[10:])
+    mimo = [None if m is None else g for m, g in zip(saved[10:], grads[7:])]
+    return (*grads[:7], *[None] * 7, *mimo)
 
-    def _mixer_setup_context(ctx, inputs, output):
-        *tensors, reset = inputs[:8]
-        ctx.sizes = inputs[8:14]
-        _, states, phase = output
-        ctx.mark_non_differentiable(states, phase)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-        ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
 
-    def _mixer_grad(ctx, dout, _dstates, _dphase):
-        saved = ctx.saved_tensors
-        grads = _mixer_bwd_op(dout, *saved[:10], *ctx.sizes, *saved[10:])
-        mimo = [None if m is None else g for m, g in zip(saved[10:], grads[7:])]
-        return (*grads[:7], *[None] * 7, *mimo)
-
-    _mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
+_mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
 
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
