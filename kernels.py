@@ -247,20 +247,16 @@ def rotate(v, phi):
 def phases(v, reset=None, phi0=None):
     """Phi_t = Phi_{t-1} + v_t along dim 1 of v (B, L, ...), restarting at each reset (B, L)
     (Phi_t = v_t there) and starting from phi0 (B, ...) where no reset has happened yet."""
-    phi = v.cumsum(1)
-    last = None
+    phi, start = v.cumsum(1), None if phi0 is None else phi0[:, None]
     if reset is not None:
         # subtract the running sum just before the latest reset at or before t (-1: no reset yet)
-        L = reset.shape[1]
-        ones = (1,) * (phi.dim() - 2)  # the trailing dims of v
-        last = torch.where(reset, torch.arange(L, device=reset.device), -1).cummax(1).values
+        ones = (1,) * (v.dim() - 2)  # the trailing dims of v
+        last = torch.where(reset, torch.arange(reset.shape[1], device=reset.device), -1)
+        last = last.cummax(1).values.view(*reset.shape, *ones)
         before = F.pad(phi, (0, 0) * len(ones) + (1, 0))[:, :-1]  # the running sum up to t - 1
-        phi = phi - before.gather(1, last.clamp(min=0).view(*last.shape, *ones).expand_as(phi))
-    if phi0 is not None and last is None:
-        phi = phi + phi0[:, None]
-    elif phi0 is not None:
-        phi = phi + torch.where((last < 0).view(*last.shape, *ones), phi0[:, None], 0)
-    return phi
+        phi = phi - before.gather(1, last.clamp(min=0).expand_as(phi))
+        start = None if phi0 is None else torch.where(last < 0, start, 0)  # phi0 until a reset
+    return phi if start is None else phi + start
 
 
 def split_sizes(H, P, G, N, S, R=1):
