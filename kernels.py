@@ -157,9 +157,8 @@ class ChunkedScan(torch.autograd.Function):
     def backward(ctx, dY, dS_final):
         # in the compute dtype, as the forward ran (torch.compile traces it under autocast)
         with torch.autocast(dY.device.type, enabled=False):
-            dY = dY.float() if dY.dtype != torch.float64 else dY
             X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
-            dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
+            dY = dY.to(X.dtype).contiguous()  # a view of (B, L, H, R, P); four matmuls read it
             (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
             nc, R = b // BH, CR // C
             e, f, a = _segment_decays(cs, seg)
@@ -911,11 +910,10 @@ def fused_refusal(x):
     return None
 
 
-def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=None):
+def _mixer_shapes(zxbcdt, B_bias, P, G, S, C, mimo=None):
     """(B, L, H, P, G, N, S, C, R) once zxbcdt, the parameters and the kernels fit together."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
-    P, G, S, C = headdim, ngroups, n_angles, chunk_size
     if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
         raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
                          f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
@@ -1044,12 +1042,11 @@ def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, re
 
 
 def _mixer_setup_context(ctx, inputs, output):
-    *tensors, reset = inputs[:8]
     ctx.sizes = inputs[8:14]
     _, states, phase = output
     ctx.mark_non_differentiable(states, phase)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-    ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
+    ctx.save_for_backward(*inputs[:8], states, phase, *inputs[14:])  # (mimo: last)
 
 
 def _mixer_grad(ctx, dout, _dstates, _dphase):
