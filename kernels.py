@@ -872,18 +872,16 @@ def _time(launch):
         return math.inf
 
 
-def _tuned(kernel, grid):
-    """kernel[grid] launched in the fastest of its _launch_configs, timed at a shape's first launch
+def _tuned(kernel, grid, *args, **constexprs):
+    """kernel[grid](*args) in the fastest of its _launch_configs, timed at a shape's first launch
     on each device, on its own arguments (the kernels only store: timing leaves one run's)."""
-    def launch(*args, **constexprs):
-        major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
-        configs = _launch_configs(kernel.fn.__name__, major, constexprs)
-        key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
-        if len(configs) > 1 and key not in _TUNED:
-            _TUNED[key] = min(configs, key=lambda options: _time(
-                lambda: kernel[grid](*args, **constexprs, **options)))
-        kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
-    return launch
+    major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
+    configs = _launch_configs(kernel.fn.__name__, major, constexprs)
+    key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
+    if len(configs) > 1 and key not in _TUNED:
+        _TUNED[key] = min(configs, key=lambda options: _time(
+            lambda: kernel[grid](*args, **constexprs, **options)))
+    kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
 
 
 # The most shared memory (KiB) a backward block asks over Triton 3.6-3.9 and sm_80-sm_90 (float32:
@@ -970,11 +968,10 @@ def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor, C_norm
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
-                               _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
-                               N=N, S=S, HAS_RESET=reset is not None, **tiles)
+        _tuned(_mixer_fwd, (Bsz * H,), zx, zx.stride(0), zx.stride(1), reset, dt_bias,
+               B_norm_weight, C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, *mimo,
+               out, out.stride(0), out.stride(1), _halves(states, tiles), phase, L, nc, A_floor,
+               eps, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
@@ -1008,15 +1005,13 @@ def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: 
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
         dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
-        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
-                               dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
-                               dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
-                               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
-        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
-                                                      R, H=H, G=G, P=P, N=N, S=S, TB=32,
-                                                      NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
+        _tuned(_mixer_bwd, (Bsz * H,), zx, zx.stride(0), zx.stride(1), reset, dt_bias,
+               B_norm_weight, C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, *lifts,
+               dout, dout.stride(0), dout.stride(1), _halves(states, tiles), phase, dzx,
+               dzx.stride(0), dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
+               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)), part, dzx, dzx.stride(0), dzx.stride(1), L, R,
+               H=H, G=G, P=P, N=N, S=S, TB=32, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
     # the parameters' per-(b, h, chunk) sums added up; copies: a custom op's outputs may not alias
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)

@@ -426,8 +426,8 @@ def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_f
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     calls = []
-    tuned = kernels._tuned  # the custom ops' launches
-    monkeypatch.setattr(kernels, "_tuned", lambda kernel, grid: calls.append(kernel.fn.__name__) or tuned(kernel, grid))
+    launch = kernels._tuned  # the custom ops' kernel launches
+    monkeypatch.setattr(kernels, "_tuned", lambda fn, *a, **k: calls.append(fn.fn.__name__) or launch(fn, *a, **k))
     torch.manual_seed(0)
     config = dataclasses.replace(PRESETS["tiny"], vocab_size=50, n_layer=1, reset_token=3, mimo_rank=R)
     model = Mamba3LM(config)
