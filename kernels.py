@@ -320,14 +320,14 @@ try:
 except ImportError:  # no Triton on this platform (macOS); impl="triton" then says so
     triton = None
 
-TRITON_NEEDED = (3, 6)  # the oldest Triton the kernels compile under (what torch 2.11 installs)
+TRITON_NEEDED = "3.6"  # the oldest Triton the kernels compile under (what torch 2.11 installs)
 
 
 def _version(v):
     return tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", v).groups())  # "3.6.0+git..." -> (3, 6)
 
 
-if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
+if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
@@ -1058,11 +1058,10 @@ def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, 
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
     """mixer_torch's out (without a decoding state) from the custom op mamba3::mixer_fwd."""
     torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
-    if triton is None or _version(triton.__version__) < TRITON_NEEDED:
+    if triton is None or _version(triton.__version__) < _version(TRITON_NEEDED):
         found = f"found Triton {triton.__version__}" if triton else "none imports (Linux only)"
-        need = ".".join(map(str, TRITON_NEEDED))
-        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but {found}; install or "
-                           f"upgrade it, or {torch_path}")
+        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {TRITON_NEEDED} but {found}; "
+                           f"install or upgrade it, or {torch_path}")
     if why := fused_refusal(zxbcdt):
         raise RuntimeError(f"mixer: impl='triton' cannot run here: {why}; {torch_path}")
     if not zxbcdt.is_cuda and not _INTERPRETED:
@@ -1145,11 +1144,10 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     if why and not torch.compiler.is_compiling():  # (a warning in a compile trace breaks the graph)
         warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
                       f"without this note)", stacklevel=2)
-    impl = "torch" if why else impl
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
-    if impl == "triton" and state is None:
+    if impl == "triton" and state is None and not why:
         return mixer_triton(zxbcdt, *params, mimo=mimo, **kw), None
-    scan = "torch" if impl == "triton" else impl
+    scan = "torch" if impl == "triton" else impl  # with a decoding state, or where Triton cannot
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
