@@ -930,18 +930,15 @@ def _mixer_shapes(zxbcdt, B_bias, P, G, S, C, mimo=None):
     return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
 
 
-def _chunks(L, tiles):
-    return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
-
-
 def _setup(zxbcdt, B_bias, sizes, mimo, reset):
     """The shapes, tiles, chunks, accumulator dtype, zxbcdt, mimo vectors and reset of a launch."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
+    nc = -(-shapes[1] // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
     reset = None if reset is None else reset.contiguous().view(torch.uint8)
-    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo, reset
+    return shapes, tiles, nc, _compute_dtype(zxbcdt), zx, mimo, reset
 
 
 def _halves(states, tiles):
@@ -978,13 +975,10 @@ def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor, C_norm
 @_mixer_fwd_op.register_fake
 def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
       n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
-    Bsz, L, _ = zxbcdt.shape
-    H, N, R = B_bias.shape[0], B_bias.shape[-1], 1 if mimo_x is None else mimo_x.shape[1]
-    tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype, R)
-    nc = _chunks(L, tiles)
-    return (zxbcdt.new_empty(Bsz, L, H * headdim),
-            zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
-            zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
+    (Bsz, L, H, P, _, _, S, _, _), tiles, nc, acc, zx, _, _ = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
+    return (zx.new_empty(Bsz, L, H * P), zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
+            zx.new_empty(Bsz * H, nc, S, dtype=acc))
 
 
 @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
