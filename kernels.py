@@ -83,15 +83,6 @@ def ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset=None):
     return torch.stack(ys, dim=1).to(x.dtype), (S, k[:, -1].clone(), x[:, -1].clone())
 
 
-def _segment_decays(cs, seg):
-    """e, f (b, C) and a (b,), zero where their decay would cross a reset."""
-    e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
-    if seg is None:
-        return e, f, a
-    last = seg[:, -1:]
-    return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0)
-
-
 def _rows(v, R):  # a token's value (b, C) on each of its R rows: (b, C*R)
     return v if R == 1 else v.repeat_interleave(R, dim=1)
 
@@ -106,8 +97,7 @@ def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C)
 
 
 class ChunkedScan(torch.autograd.Function):
-    """The chunked form on b = B*H*nc chunks of C*R rows; seg (b, C), the resets counted inside
-    each chunk, or None. By hand, not autograd, which would keep several C x C temporaries a chunk.
+    """The chunked form on b = B*H*nc chunks of C*R rows, by hand (autograd saves more C x C tiles).
 
     The chunk's backward, for both fast paths (_mixer_bwd in a scaled form), with dY and G the
     gradients of Y and Sout, D_ij = exp(cs_i - cs_j) for j <= i in one segment, M = W o Q K^T:
@@ -128,7 +118,12 @@ class ChunkedScan(torch.autograd.Function):
         # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
         (b, CR, P), (BH, _, N), C = X.shape, Sin0.shape, cs.shape[1]
         nc, R = b // BH, CR // C
-        e, f, a = _segment_decays(cs, seg)
+        e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()  # (b, C), (b, C), (b,)
+        D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()  # (b, C, C), as above
+        if seg is not None:  # no decay crosses a reset
+            last = seg[:, -1:]
+            e, f, a = e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0)
+            D.mul_(seg[:, :, None] == seg[:, None, :])
         # what each chunk adds to the state (its last w already holds the next beta)
         Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
@@ -138,17 +133,14 @@ class ChunkedScan(torch.autograd.Function):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
-        # D (above) and W = D o w on the chunk's rows, gamma on each token's own R x R block
-        D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
-        if seg is not None:
-            D.mul_(seg[:, :, None] == seg[:, None, :])
+        # W = D o w on the chunk's rows, gamma on each token's own R x R block
         W = D * w[:, None, :]
         if R > 1:  # (a copy: with one token a chunk, reshape would keep expand's shared memory)
             W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, CR, CR).contiguous()
         _own(W, R).copy_(g[:, None, None, :])
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
         M = W.mul_(scores)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)  # M: as cheap as redone
+        ctx.save_for_backward(X, Q, K, w, g, e, f, a, D, scores, M, Sin)  # M: as cheap as redone
         # (into Xu's dead buffer: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
         return torch.bmm(M, X).addcmul_(_rows(e, R)[..., None], QS), S
@@ -157,11 +149,10 @@ class ChunkedScan(torch.autograd.Function):
     def backward(ctx, dY, dS_final):
         # in the compute dtype, as the forward ran (torch.compile traces it under autocast)
         with torch.autocast(dY.device.type, enabled=False):
-            X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
+            X, Q, K, w, g, e, f, a, D, scores, M, Sin = ctx.saved_tensors
             dY = dY.to(X.dtype).contiguous()  # a view of (B, L, H, R, P); four matmuls read it
-            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
+            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], e.shape[1]
             nc, R = b // BH, CR // C
-            e, f, a = _segment_decays(cs, seg)
             # intra-chunk: Y = M X
             dX = torch.bmm(M.transpose(1, 2), dY)
             dMD = torch.bmm(dY, X.transpose(1, 2))
