@@ -1014,19 +1014,17 @@ def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: 
 def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
       phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
       mimo_o=None):
-    params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
+    tensors = (zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
             for m in (mimo_x, mimo_z, mimo_o)]
-    return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
-            *(torch.empty_like(p) for p in params), *mimo)
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors), *mimo)
 
 
 def _mixer_setup_context(ctx, inputs, output):
     ctx.sizes = inputs[8:14]
-    _, states, phase = output
-    ctx.mark_non_differentiable(states, phase)
+    ctx.mark_non_differentiable(*output[1:])  # states and phase
     ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-    ctx.save_for_backward(*inputs[:8], states, phase, *inputs[14:])  # (mimo: last)
+    ctx.save_for_backward(*inputs[:8], *output[1:], *inputs[14:])  # (mimo: last)
 
 
 def _mixer_grad(ctx, dout, _dstates, _dphase):
