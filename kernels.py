@@ -56,20 +56,6 @@ def _compute_dtype(*tensors):
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _initial_state(state, x, k, dtype):
-    """(S0, k_prev, x_prev) in the compute dtype, zeros without a state. x (B, L, H, R, P)."""
-    if state is None:
-        (B, _, H, R, P), N = x.shape, k.shape[-1]
-        return (x.new_zeros(B, H, P, N, dtype=dtype), k.new_zeros(B, H, R, N, dtype=dtype),
-                x.new_zeros(B, H, R, P, dtype=dtype))
-    return tuple(t.to(dtype) for t in state)
-
-
-def _final_state(S, x, k):
-    # the true state after the last token, and that token's k and x (the next beta term needs them)
-    return S.float() if S.dtype != torch.float64 else S, k[:, -1].clone(), x[:, -1].clone()
-
-
 # -----------------------------------------------------------------------------
 # the scan in PyTorch: the recurrence (the oracle) and the chunked form
 
@@ -82,36 +68,19 @@ def recurrent_step(S, k_prev, x_prev, x, q, k, log_a, gamma, beta):
     return (S @ q.mT).mT, S
 
 
-def ssd_recurrent(x, q, k, log_a, gamma, beta, state=None, reset=None):
-    """The recurrence, one token at a time (ranked shapes): slow, the ground truth."""
-    dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
-    S, k_prev, x_prev = _initial_state(state, x, k, dtype)
-    inputs = [t.to(dtype) for t in (x, q, k, log_a, gamma, beta)]
+def ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset=None):
+    """The recurrence, one token at a time (ssd's ranked case): slow, the ground truth."""
+    S, k_prev, x_prev = state
+    inputs = [t.to(S.dtype) for t in (x, q, k, log_a, gamma, beta)]
     ys = []
     for t in range(x.shape[1]):
         if reset is not None:  # a document starts at t: nothing before it reaches it
-            keep = (~reset[:, t]).to(dtype)[:, None, None, None]  # (B, 1, 1, 1)
+            keep = (~reset[:, t]).to(S.dtype)[:, None, None, None]  # (B, 1, 1, 1)
             S, k_prev, x_prev = S * keep, k_prev * keep, x_prev * keep
         y, S = recurrent_step(S, k_prev, x_prev, *(v[:, t] for v in inputs))
         ys.append(y)
         k_prev, x_prev = inputs[2][:, t], inputs[0][:, t]
-    return torch.stack(ys, dim=1).to(x.dtype), _final_state(S, x, k)
-
-
-def decay_matrix(cs, same=None):
-    """D_ij = exp(cs_i - cs_j) (b, C, C) for j <= i (in one segment, given `same`), else 0."""
-    D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()
-    return D if same is None else D.mul_(same)
-
-
-def _segment_decays(cs, seg):
-    """e, f (b, C), a (b,), zero across a reset, and same (b, C, C): i, j in one segment."""
-    e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()
-    if seg is None:
-        return e, f, a, None
-    last = seg[:, -1:]
-    same = (seg[:, :, None] == seg[:, None, :]).to(cs.dtype)
-    return e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0), same
+    return torch.stack(ys, dim=1).to(x.dtype), (S, k[:, -1].clone(), x[:, -1].clone())
 
 
 def _rows(v, R):  # a token's value (b, C) on each of its R rows: (b, C*R)
@@ -127,20 +96,8 @@ def _own(A, R):  # A (b, C*R, C*R) between the rows of one token: a (b, R, R, C)
     return A.view(b, n // R, R, n // R, R).diagonal(dim1=1, dim2=3)
 
 
-def _weights(D, w, g, R=1):
-    """W on the chunk's rows from the tokens' D (b, C, C), w and g (gamma)."""
-    W = D * w[:, None, :]
-    if R > 1:
-        b, C, _ = W.shape
-        # (a copy: with one token a chunk, reshape would keep expand's shared memory)
-        W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, C * R, C * R).contiguous()
-    _own(W, R).copy_(g[:, None, None, :])
-    return W
-
-
 class ChunkedScan(torch.autograd.Function):
-    """The chunked form on b = B*H*nc chunks of C*R rows; seg (b, C), the resets counted inside
-    each chunk, or None. By hand, not autograd, which would keep several C x C temporaries a chunk.
+    """The chunked form on b = B*H*nc chunks of C*R rows, by hand (autograd saves more C x C tiles).
 
     The chunk's backward, for both fast paths (_mixer_bwd in a scaled form), with dY and G the
     gradients of Y and Sout, D_ij = exp(cs_i - cs_j) for j <= i in one segment, M = W o Q K^T:
@@ -159,9 +116,14 @@ class ChunkedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, Q, K, cs, w, g, Sin0, seg):
         # X (b, C*R, P), Q, K (b, C*R, N), cs, w, g (b, C), Sin0 (B*H, P, N), seg (b, C) or None
-        (b, CR, P), (BH, _, N) = X.shape, Sin0.shape
-        nc, R = b // BH, CR // cs.shape[1]
-        e, f, a, same = _segment_decays(cs, seg)
+        (b, CR, P), (BH, _, N), C = X.shape, Sin0.shape, cs.shape[1]
+        nc, R = b // BH, CR // C
+        e, f, a = cs.exp(), (cs[:, -1:] - cs).exp(), cs[:, -1].exp()  # (b, C), (b, C), (b,)
+        D = (cs[:, :, None] - cs[:, None, :]).clamp_(max=0).exp_().tril_()  # (b, C, C), as above
+        if seg is not None:  # no decay crosses a reset
+            last = seg[:, -1:]
+            e, f, a = e * (seg == 0), f * (seg == last), a * (last[:, 0] == 0)
+            D.mul_(seg[:, :, None] == seg[:, None, :])
         # what each chunk adds to the state (its last w already holds the next beta)
         Xu = X * _rows(f * w, R)[..., None]  # (b, C*R, P)
         dS = torch.bmm(Xu.transpose(1, 2), K).view(BH, nc, P, N)
@@ -171,10 +133,14 @@ class ChunkedScan(torch.autograd.Function):
             Sin[:, c] = S
             S = torch.addcmul(dS[:, c], a[:, c], S)
         Sin = Sin.view(b, P, N)
-        D = decay_matrix(cs, same)
+        # W = D o w on the chunk's rows, gamma on each token's own R x R block
+        W = D * w[:, None, :]
+        if R > 1:  # (a copy: with one token a chunk, reshape would keep expand's shared memory)
+            W = W[:, :, None, :, None].expand(b, C, R, C, R).reshape(b, CR, CR).contiguous()
+        _own(W, R).copy_(g[:, None, None, :])
         scores = torch.bmm(Q, K.transpose(1, 2))  # (b, C*R, C*R)
-        M = _weights(D, w, g, R).mul_(scores)
-        ctx.save_for_backward(X, Q, K, cs, w, g, D, scores, M, Sin, seg)  # M: as cheap as redone
+        M = W.mul_(scores)
+        ctx.save_for_backward(X, Q, K, w, g, e, f, a, D, scores, M, Sin)  # M: as cheap as redone
         # (into Xu's dead buffer: on a CPU a fresh 4 MB buffer costs page faults)
         QS = torch.bmm(Q, Sin.transpose(1, 2), out=Xu)
         return torch.bmm(M, X).addcmul_(_rows(e, R)[..., None], QS), S
@@ -183,12 +149,10 @@ class ChunkedScan(torch.autograd.Function):
     def backward(ctx, dY, dS_final):
         # in the compute dtype, as the forward ran (torch.compile traces it under autocast)
         with torch.autocast(dY.device.type, enabled=False):
-            dY = dY.float() if dY.dtype != torch.float64 else dY
-            X, Q, K, cs, w, g, D, scores, M, Sin, seg = ctx.saved_tensors
-            dY = dY.contiguous()  # it arrives as a view of (B, L, H, R, P); four matmuls read it
-            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], cs.shape[1]
+            X, Q, K, w, g, e, f, a, D, scores, M, Sin = ctx.saved_tensors
+            dY = dY.to(X.dtype).contiguous()  # a view of (B, L, H, R, P); four matmuls read it
+            (b, CR, P), BH, N, C = X.shape, dS_final.shape[0], Q.shape[-1], e.shape[1]
             nc, R = b // BH, CR // C
-            e, f, a, _ = _segment_decays(cs, seg)
             # intra-chunk: Y = M X
             dX = torch.bmm(M.transpose(1, 2), dY)
             dMD = torch.bmm(dY, X.transpose(1, 2))
@@ -224,12 +188,11 @@ class ChunkedScan(torch.autograd.Function):
             return dX, dQ, dK, dcs, dw, dg, G, None  # G is now the gradient of Sin0
 
 
-def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=None):
-    """The chunked form (ranked shapes): chunks of C tokens are the batch of ChunkedScan's bmms."""
+def ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size=64, reset=None):
+    """The chunked form (ssd's ranked case): C-token chunks are the batch of ChunkedScan's bmms."""
     (B, L, H, R, P), N, C = x.shape, q.shape[-1], chunk_size
-    dtype = _compute_dtype(x, q, k, log_a, gamma, beta)
+    (S0, k_prev, x_prev), dtype = state, state[0].dtype
     with torch.autocast(x.device.type, enabled=False):
-        S0, k_prev, x_prev = _initial_state(state, x, k, dtype)
         # w_s = gamma_s + beta_{s+1} (0 after the last token); the state entering the first chunk
         # is S0 plus the first token's beta term
         w = gamma.to(dtype) + F.pad(beta[:, 1:].to(dtype), (0, 0, 0, 1))  # (B, L, H)
@@ -250,7 +213,7 @@ def ssd_chunked(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, reset=No
             F.pad(reset, (0, pad)).view(B, 1, nc, C).expand(B, H, nc, C).reshape(-1, C).cumsum(-1))
         Y, S = ChunkedScan.apply(X, Q, K, cs, w, g, Sin0.view(B * H, P, N), seg)
         y = Y.view(B, H, nc, C, R, P).permute(0, 2, 3, 1, 4, 5).reshape(B, nc * C, H, R, P)[:, :L]
-    return y.to(x.dtype), _final_state(S.view(B, H, P, N), x, k)
+    return y.to(x.dtype), (S.view(B, H, P, N), k[:, -1].clone(), x[:, -1].clone())
 
 
 # -----------------------------------------------------------------------------
@@ -274,20 +237,16 @@ def rotate(v, phi):
 def phases(v, reset=None, phi0=None):
     """Phi_t = Phi_{t-1} + v_t along dim 1 of v (B, L, ...), restarting at each reset (B, L)
     (Phi_t = v_t there) and starting from phi0 (B, ...) where no reset has happened yet."""
-    phi = v.cumsum(1)
-    last = None
+    phi, start = v.cumsum(1), None if phi0 is None else phi0[:, None]
     if reset is not None:
         # subtract the running sum just before the latest reset at or before t (-1: no reset yet)
-        L = reset.shape[1]
-        ones = (1,) * (phi.dim() - 2)  # the trailing dims of v
-        last = torch.where(reset, torch.arange(L, device=reset.device), -1).cummax(1).values
+        ones = (1,) * (v.dim() - 2)  # the trailing dims of v
+        last = torch.where(reset, torch.arange(reset.shape[1], device=reset.device), -1)
+        last = last.cummax(1).values.view(*reset.shape, *ones)
         before = F.pad(phi, (0, 0) * len(ones) + (1, 0))[:, :-1]  # the running sum up to t - 1
-        phi = phi - before.gather(1, last.clamp(min=0).view(*last.shape, *ones).expand_as(phi))
-    if phi0 is not None and last is None:
-        phi = phi + phi0[:, None]
-    elif phi0 is not None:
-        phi = phi + torch.where((last < 0).view(*last.shape, *ones), phi0[:, None], 0)
-    return phi
+        phi = phi - before.gather(1, last.clamp(min=0).expand_as(phi))
+        start = None if phi0 is None else torch.where(last < 0, start, 0)  # phi0 until a reset
+    return phi if start is None else phi + start
 
 
 def split_sizes(H, P, G, N, S, R=1):
@@ -352,14 +311,14 @@ try:
 except ImportError:  # no Triton on this platform (macOS); impl="triton" then says so
     triton = None
 
-TRITON_NEEDED = (3, 6)  # the oldest Triton the kernels compile under (what torch 2.11 installs)
+TRITON_NEEDED = "3.6"  # the oldest Triton the kernels compile under (what torch 2.11 installs)
 
 
 def _version(v):
     return tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", v).groups())  # "3.6.0+git..." -> (3, 6)
 
 
-if triton is not None and _version(triton.__version__) >= TRITON_NEEDED:
+if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
@@ -904,18 +863,16 @@ def _time(launch):
         return math.inf
 
 
-def _tuned(kernel, grid):
-    """kernel[grid] launched in the fastest of its _launch_configs, timed at a shape's first launch
+def _tuned(kernel, grid, *args, **constexprs):
+    """kernel[grid](*args) in the fastest of its _launch_configs, timed at a shape's first launch
     on each device, on its own arguments (the kernels only store: timing leaves one run's)."""
-    def launch(*args, **constexprs):
-        major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
-        configs = _launch_configs(kernel.fn.__name__, major, constexprs)
-        key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
-        if len(configs) > 1 and key not in _TUNED:
-            _TUNED[key] = min(configs, key=lambda options: _time(
-                lambda: kernel[grid](*args, **constexprs, **options)))
-        kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
-    return launch
+    major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
+    configs = _launch_configs(kernel.fn.__name__, major, constexprs)
+    key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
+    if len(configs) > 1 and key not in _TUNED:
+        _TUNED[key] = min(configs, key=lambda options: _time(
+            lambda: kernel[grid](*args, **constexprs, **options)))
+    kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
 
 
 # The most shared memory (KiB) a backward block asks over Triton 3.6-3.9 and sm_80-sm_90 (float32:
@@ -942,11 +899,10 @@ def fused_refusal(x):
     return None
 
 
-def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=None):
+def _mixer_shapes(zxbcdt, B_bias, P, G, S, C, mimo=None):
     """(B, L, H, P, G, N, S, C, R) once zxbcdt, the parameters and the kernels fit together."""
     H, N = B_bias.shape[0], B_bias.shape[-1]
     R = 1 if mimo is None else mimo[0].shape[1]
-    P, G, S, C = headdim, ngroups, n_angles, chunk_size
     if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
         raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
                          f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
@@ -965,18 +921,15 @@ def _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo=N
     return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
 
 
-def _chunks(L, tiles):
-    return -(-L // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
-
-
 def _setup(zxbcdt, B_bias, sizes, mimo, reset):
     """The shapes, tiles, chunks, accumulator dtype, zxbcdt, mimo vectors and reset of a launch."""
     shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
     tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
+    nc = -(-shapes[1] // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
     reset = None if reset is None else reset.contiguous().view(torch.uint8)
-    return shapes, tiles, _chunks(shapes[1], tiles), _compute_dtype(zxbcdt), zx, mimo, reset
+    return shapes, tiles, nc, _compute_dtype(zxbcdt), zx, mimo, reset
 
 
 def _halves(states, tiles):
@@ -985,9 +938,17 @@ def _halves(states, tiles):
     return TensorDescriptor.from_tensor(states.view(-1, 2 * NH), [PP, NH])
 
 
-def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim,
-                   ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
-                   mimo_o=None):
+# The fused region as two custom ops with fake implementations and an autograd formula, opaque
+# to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
+Tensor, Mimo = torch.Tensor, Optional[torch.Tensor]
+
+
+@torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
+def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor, C_norm_weight: Tensor,
+                  B_bias: Tensor, C_bias: Tensor, D: Tensor, reset: Optional[Tensor], headdim: int,
+                  ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
+                  mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch _mixer_fwd: (out (B, L, H*P), states (B*H, nc, PP, 2NH), phase (B*H, nc, S))."""
     (Bsz, L, H, P, G, N, S, _, _), tiles, nc, acc, zx, mimo, reset = _setup(
         zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
@@ -995,17 +956,30 @@ def _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias
         out = zx.new_empty(Bsz, L, H * P)
         states = zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"])
         phase = zx.new_empty(Bsz * H, nc, S, dtype=acc)
-        _tuned(_mixer_fwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, *mimo, out, out.stride(0), out.stride(1),
-                               _halves(states, tiles), phase, L, nc, A_floor, eps, H=H, G=G, P=P,
-                               N=N, S=S, HAS_RESET=reset is not None, **tiles)
+        _tuned(_mixer_fwd, (Bsz * H,), zx, zx.stride(0), zx.stride(1), reset, dt_bias,
+               B_norm_weight, C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, *mimo,
+               out, out.stride(0), out.stride(1), _halves(states, tiles), phase, L, nc, A_floor,
+               eps, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
     return out, states, phase
 
 
-def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
-                    states, phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps,
-                    mimo_x=None, mimo_z=None, mimo_o=None):
+@_mixer_fwd_op.register_fake
+def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
+      n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
+    (Bsz, L, H, P, _, _, S, _, _), tiles, nc, acc, zx, _, _ = _setup(
+        zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
+    return (zx.new_empty(Bsz, L, H * P), zx.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
+            zx.new_empty(Bsz * H, nc, S, dtype=acc))
+
+
+@torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
+def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
+                  C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
+                  reset: Optional[Tensor], states: Tensor, phase: Tensor, headdim: int,
+                  ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
+                  mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, Tensor]:
     """Launch _mixer_bwd, _sum_heads: dzxbcdt and the parameters' gradients (SISO mimo: empty)."""
     (Bsz, L, H, P, G, N, S, _, R), tiles, nc, acc, zx, lifts, reset = _setup(
         zxbcdt, B_bias, (headdim, ngroups, n_angles, chunk_size), (mimo_x, mimo_z, mimo_o), reset)
@@ -1016,15 +990,13 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
         part = zx.new_empty(Bsz, L, H, 2 * R * N + S)
         dparam = zx.new_empty(Bsz * H, nc, width, dtype=acc)
         dmimo = None if mimo_x is None else zx.new_empty(Bsz * H, nc, 3, R, P, dtype=acc)
-        _tuned(_mixer_bwd, (Bsz * H,))(zx, zx.stride(0), zx.stride(1), reset, dt_bias,
-                               B_norm_weight, C_norm_weight, B_bias.contiguous(),
-                               C_bias.contiguous(), D, *lifts, dout, dout.stride(0),
-                               dout.stride(1), _halves(states, tiles), phase, dzx, dzx.stride(0),
-                               dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
-                               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
-        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)))(part, dzx, dzx.stride(0), dzx.stride(1), L,
-                                                      R, H=H, G=G, P=P, N=N, S=S, TB=32,
-                                                      NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
+        _tuned(_mixer_bwd, (Bsz * H,), zx, zx.stride(0), zx.stride(1), reset, dt_bias,
+               B_norm_weight, C_norm_weight, B_bias.contiguous(), C_bias.contiguous(), D, *lifts,
+               dout, dout.stride(0), dout.stride(1), _halves(states, tiles), phase, dzx,
+               dzx.stride(0), dzx.stride(1), part, dparam, dmimo, L, nc, A_floor, eps, H=H, G=G,
+               P=P, N=N, S=S, HAS_RESET=reset is not None, **tiles)
+        _tuned(_sum_heads, (Bsz, triton.cdiv(L, 32)), part, dzx, dzx.stride(0), dzx.stride(1), L, R,
+               H=H, G=G, P=P, N=N, S=S, TB=32, NB=_pow2(N), SB=_pow2(S), ACC=_TL_DTYPE[acc])
     # the parameters' per-(b, h, chunk) sums added up; copies: a custom op's outputs may not alias
     dparam = dparam.view(Bsz, H, nc, width).sum((0, 2))  # (H, 2RN + 2N + 2)
     dB_bias, dC_bias = dparam[:, :2 * R * N].view(H, 2, *B_bias.shape[1:]).unbind(1)
@@ -1038,81 +1010,41 @@ def _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
     return (dzx, *grads, *(g.to(m.dtype, copy=True) for g, m in zip(dmimo, lifts)))
 
 
-if triton is not None:
-    # The fused region as two custom ops with fake implementations and an autograd formula, opaque
-    # to torch.compile. The mimo vectors come last, None for SISO (empty tensors their gradients).
-    Tensor = torch.Tensor
-    Mimo = Optional[Tensor]
+@_mixer_bwd_op.register_fake
+def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
+      phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
+      mimo_o=None):
+    tensors = (zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
+    mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
+            for m in (mimo_x, mimo_z, mimo_o)]
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors), *mimo)
 
-    @torch.library.custom_op("mamba3::mixer_fwd", mutates_args=())
-    def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
-                      C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
-                      reset: Optional[Tensor], headdim: int, ngroups: int, n_angles: int,
-                      chunk_size: int, A_floor: float, eps: float, mimo_x: Mimo = None,
-                      mimo_z: Mimo = None, mimo_o: Mimo = None) -> tuple[Tensor, Tensor, Tensor]:
-        return _mixer_forward(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
-                              reset, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x,
-                              mimo_z, mimo_o)
 
-    @_mixer_fwd_op.register_fake
-    def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, headdim, ngroups,
-          n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None, mimo_o=None):
-        Bsz, L, _ = zxbcdt.shape
-        H, N, R = B_bias.shape[0], B_bias.shape[-1], 1 if mimo_x is None else mimo_x.shape[1]
-        tiles = _mixer_tiles(chunk_size, headdim, N, zxbcdt.dtype, R)
-        nc = _chunks(L, tiles)
-        return (zxbcdt.new_empty(Bsz, L, H * headdim),
-                zxbcdt.new_empty(Bsz * H, nc, tiles["PP"], 2 * tiles["NH"]),
-                zxbcdt.new_empty(Bsz * H, nc, n_angles, dtype=_compute_dtype(zxbcdt)))
+def _mixer_setup_context(ctx, inputs, output):
+    ctx.sizes = inputs[8:14]
+    ctx.mark_non_differentiable(*output[1:])  # states and phase
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
+    ctx.save_for_backward(*inputs[:8], *output[1:], *inputs[14:])  # (mimo: last)
 
-    @torch.library.custom_op("mamba3::mixer_bwd", mutates_args=())
-    def _mixer_bwd_op(dout: Tensor, zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
-                      C_norm_weight: Tensor, B_bias: Tensor, C_bias: Tensor, D: Tensor,
-                      reset: Optional[Tensor], states: Tensor, phase: Tensor, headdim: int,
-                      ngroups: int, n_angles: int, chunk_size: int, A_floor: float, eps: float,
-                      mimo_x: Mimo = None, mimo_z: Mimo = None, mimo_o: Mimo = None
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                 Tensor, Tensor]:
-        return _mixer_backward(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias,
-                               D, reset, states, phase, headdim, ngroups, n_angles, chunk_size,
-                               A_floor, eps, mimo_x, mimo_z, mimo_o)
 
-    @_mixer_bwd_op.register_fake
-    def _(dout, zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset, states,
-          phase, headdim, ngroups, n_angles, chunk_size, A_floor, eps, mimo_x=None, mimo_z=None,
-          mimo_o=None):
-        params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
-        mimo = [zxbcdt.new_empty(0) if m is None else torch.empty_like(m)
-                for m in (mimo_x, mimo_z, mimo_o)]
-        return (torch.empty_like(zxbcdt, memory_format=torch.contiguous_format),
-                *(torch.empty_like(p) for p in params), *mimo)
+def _mixer_grad(ctx, dout, _dstates, _dphase):
+    saved = ctx.saved_tensors
+    grads = _mixer_bwd_op(dout, *saved[:10], *ctx.sizes, *saved[10:])
+    mimo = [None if m is None else g for m, g in zip(saved[10:], grads[7:])]
+    return (*grads[:7], *[None] * 7, *mimo)
 
-    def _mixer_setup_context(ctx, inputs, output):
-        *tensors, reset = inputs[:8]
-        ctx.sizes = inputs[8:14]
-        _, states, phase = output
-        ctx.mark_non_differentiable(states, phase)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for states and phase: unread
-        ctx.save_for_backward(*tensors, reset, states, phase, *inputs[14:])  # (mimo: last)
 
-    def _mixer_grad(ctx, dout, _dstates, _dphase):
-        saved = ctx.saved_tensors
-        grads = _mixer_bwd_op(dout, *saved[:10], *ctx.sizes, *saved[10:])
-        mimo = [None if m is None else g for m, g in zip(saved[10:], grads[7:])]
-        return (*grads[:7], *[None] * 7, *mimo)
-
-    _mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
+_mixer_fwd_op.register_autograd(_mixer_grad, setup_context=_mixer_setup_context)
 
 
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, headdim,
                  ngroups, n_angles, chunk_size=64, A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
     """mixer_torch's out (without a decoding state) from the custom op mamba3::mixer_fwd."""
     torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
-    if triton is None or _version(triton.__version__) < TRITON_NEEDED:
+    if triton is None or _version(triton.__version__) < _version(TRITON_NEEDED):
         found = f"found Triton {triton.__version__}" if triton else "none imports (Linux only)"
-        need = ".".join(map(str, TRITON_NEEDED))
-        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {need} but {found}; install or "
-                           f"upgrade it, or {torch_path}")
+        raise RuntimeError(f"mixer: impl='triton' needs Triton >= {TRITON_NEEDED} but {found}; "
+                           f"install or upgrade it, or {torch_path}")
     if why := fused_refusal(zxbcdt):
         raise RuntimeError(f"mixer: impl='triton' cannot run here: {why}; {torch_path}")
     if not zxbcdt.is_cuda and not _INTERPRETED:
@@ -1170,6 +1102,11 @@ def ssd(x, q, k, log_a, gamma, beta, state=None, chunk_size=64, impl="auto", res
         y, (S, k_last, x_last) = ssd(x[:, :, :, None], q[:, :, :, None], k[:, :, :, None], log_a,
                                      gamma, beta, state, chunk_size, impl, reset)
         return y[:, :, :, 0], (S, k_last[:, :, 0], x_last[:, :, 0])
+    # both forms start from (S0, k_prev, x_prev) in the compute dtype, zeros without a state
+    if state is None:
+        (B, _, H, R, P), N = x.shape, k.shape[-1]
+        state = (x.new_zeros(B, H, P, N), k.new_zeros(B, H, R, N), x.new_zeros(B, H, R, P))
+    state = tuple(t.to(_compute_dtype(x, q, k, log_a, gamma, beta)) for t in state)
     if impl == "recurrent":
         return ssd_recurrent(x, q, k, log_a, gamma, beta, state, reset)
     return ssd_chunked(x, q, k, log_a, gamma, beta, state, chunk_size, reset)
@@ -1190,11 +1127,10 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, *, h
     if why and not torch.compiler.is_compiling():  # (a warning in a compile trace breaks the graph)
         warnings.warn(f"mixer: {why}; it runs on the PyTorch path (MAMBA3_IMPL=torch chooses that "
                       f"without this note)", stacklevel=2)
-    impl = "torch" if why else impl
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles, chunk_size=chunk_size,
               A_floor=A_floor, eps=eps, reset=reset)
-    if impl == "triton" and state is None:
+    if impl == "triton" and state is None and not why:
         return mixer_triton(zxbcdt, *params, mimo=mimo, **kw), None
-    scan = "torch" if impl == "triton" else impl
+    scan = "torch" if impl == "triton" else impl  # with a decoding state, or where Triton cannot
     return mixer_torch(zxbcdt, *params, state=state, impl=scan, mimo=mimo, **kw)
