@@ -280,6 +280,8 @@ class TokenSource:
         self.recorded = max_token_id is not None  # trusted, so that a run starts at once
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
+        self._sha256 = {x["file"]: x["sha256"] for split in m.get("splits", {}).values()
+                        for x in split["shards"]}  # (a manifest's shards: by file name)
 
     def id_range(self) -> tuple:  # (smallest, largest) token id
         self._range = self._range or (int(min((t.min() for t in self.tokens), default=0)),
@@ -289,6 +291,10 @@ class TokenSource:
     @property
     def max_token_id(self) -> int:
         return self.id_range()[1]
+
+    def digest(self) -> str:  # of the files: names and sha256 (a manifest's), else names and sizes
+        files = [(f.name, self._sha256.get(f.name) or f.stat().st_size) for f in self.files]
+        return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
     def check_vocab(self, vocab_size: int):
         """Refuse token ids outside [0, vocab_size): a raw source scanned now, a recorded range

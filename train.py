@@ -8,7 +8,6 @@
 """
 import contextlib
 import dataclasses
-import hashlib
 import inspect
 import json
 import math
@@ -449,16 +448,9 @@ def finish_moves(out, step=None):
     return aside
 
 
-def data_identity(batches):
-    """Per source its path, weight and a digest of its files (shard hashes, else names, sizes)."""
-    ids = []
-    for s, w in zip(batches.sources, batches.weights):
-        m = data.read_manifest(s.path) if (s.path / data.MANIFEST).is_file() else {"splits": {}}
-        shards = {x["file"]: x["sha256"] for x in m["splits"].get("train", {}).get("shards", [])}
-        files = json.dumps([(f.name, shards.get(f.name) or f.stat().st_size) for f in s.files])
-        digest = hashlib.sha256(files.encode()).hexdigest()[:16]
-        ids.append(dict(path=str(s.path), weight=str(w), files=digest))
-    return ids
+def data_identity(batches):  # per source: what resume compares (its path, weight, files' digest)
+    return [dict(path=str(s.path), weight=str(w), files=s.digest())
+            for s, w in zip(batches.sources, batches.weights)]
 
 
 def resume(cfg, model, optimizer, batches, log, cleanup):
