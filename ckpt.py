@@ -263,14 +263,15 @@ def read_meta(dir, step, verify=False):
                                       f"its meta says {want['bytes']}")
         with ThreadPoolExecutor(2) as pool:  # hashlib releases the GIL: both files at once
             found = dict(zip(files, pool.map(sha256, [d / n for n in files] if verify else [])))
+        if bad := [name for name in found if found[name] != files[name]["sha256"]]:
+            raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 "
+                                    "differs)")
     except FileNotFoundError as e:  # also as retention removes one: readers take no lock
         raise IncompleteCheckpoint(f"step {step} in {d} is incomplete: {Path(e.filename).name} "
                                    "is missing") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"step {step} in {d} is unreadable: {names[2]} is not a valid meta "
                               f"file ({e})") from None
-    if bad := [name for name in found if found[name] != files[name]["sha256"]]:
-        raise CorruptCheckpoint(f"checkpoint step {step}: {d / bad[0]} is corrupt (sha256 differs)")
     return meta
 
 
