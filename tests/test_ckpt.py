@@ -440,6 +440,16 @@ def test_unreadable_meta_is_skipped(tmp_path):
         assert ckpt.list_steps(tmp_path) == [1]
 
 
+def test_a_meta_without_a_files_sha256_is_refused_as_invalid_not_a_key_error(tmp_path):
+    model, opt = make(0)
+    ckpt.save(tmp_path, 1, model, opt, {})
+    meta = json.loads((tmp_path / "meta_step_1.json").read_text())
+    del meta["files"]["model_step_1.safetensors"]["sha256"]  # a hand-edited meta: sizes still agree
+    (tmp_path / "meta_step_1.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="meta_step_1.json is not a valid meta file"):
+        ckpt.load(tmp_path, 1, model, opt)
+
+
 # -----------------------------------------------------------------------------
 # loading into a different model
 
