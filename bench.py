@@ -621,6 +621,16 @@ def gpu_resets(B: int, L: int):
     return reset.cuda()
 
 
+def gpu_layer(B: int, L: int):
+    """(mixer, u, dy, shape): a seeded 440m mixer layer on the GPU, its input and incoming gradient
+    of B x L tokens, and its shape as the tables name it."""
+    torch.manual_seed(0)
+    cfg = PRESETS["440m"]
+    mixer = Mamba3Mixer(cfg).cuda()
+    u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
+    return mixer, u, dy, f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+
+
 def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
     """check_layer's tables in bf16 without and with resets and in fp32, into out["checks"]."""
     keys = ("tensor", "shape", "torch_vs_fp32", "triton_vs_fp32", "triton_vs_torch", "tolerance",
@@ -688,11 +698,7 @@ def gpu(
         child = start_train_child(train_steps, total_batch_size // 16384)
     deadline = t0 + GPU_BUDGET_S - 15  # for the training run, leaving the time to report
     torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
-    torch.manual_seed(0)
-    cfg, B, L = PRESETS["440m"], batch_size, seq_len
-    mixer = Mamba3Mixer(cfg).cuda()
-    u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
-    shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+    mixer, u, dy, shape = gpu_layer(batch_size, seq_len)
     out = {"machine": machine(), "triton": K.triton.__version__, "shape": shape, "checks": {},
            "elapsed_s": {}, "failed": []}
 
@@ -705,7 +711,7 @@ def gpu(
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
-    theirs = official_on_gpu(official, cfg, u, dy) if official else None
+    theirs = official_on_gpu(official, mixer.cfg, u, dy) if official else None
     out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
     done("layer timings")
     del mixer, u, dy, theirs
