@@ -4,7 +4,8 @@
     python bench.py all       # those four; gpu (on a CUDA GPU): the Triton layer, then train.py
 
 Timings are medians of interleaved repetitions (A, B, C, A, B, C, ...): a noisy machine slows every
-contender alike. The GPU evidence that needs no GPU is tools/gpu_evidence.py's.
+contender alike. The GPU evidence that needs no GPU, and the official layer's timing beside ours,
+are tools/gpu_evidence.py's.
 """
 import dataclasses
 import enum
@@ -18,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 from typing import List, Literal, Optional
 
@@ -449,25 +449,6 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H10
                    "RTX 4090": 1.01e12, "RTX 3090": 0.936e12}
 
 
-def check_official(official: Optional[Path]):
-    if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
-        raise ValueError(f"--official {official} is not a checkout of state-spaces/mamba with "
-                         "Mamba-3 (it has no mamba_ssm/ops/triton/mamba3)")
-
-
-def official_package(src):
-    """state-spaces/mamba's package at src, its submodules importable without its __init__'s."""
-    package = types.ModuleType("mamba_ssm")
-    package.__path__ = [str(Path(src) / "mamba_ssm")]
-    return package
-
-
-def official_layer(Mamba3, cfg, **kwargs):
-    # cfg's widths (the official defaults, expand 2 and half the state dims turned, are ours)
-    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim,
-                  ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, **kwargs)
-
-
 def region_bytes(cfg, batch_size: int, seq_len: int, act_bytes: int = 2) -> dict:
     """The compulsory HBM bytes of the layer's region (in_proj's output to out_proj's input): each
     pass reads its inputs and writes its outputs once, the fp32 parameters and gradients too."""
@@ -554,22 +535,6 @@ def child_says(child, deadline: float, go: bool = False) -> dict:
     return {"error": f"the training run {why}:\n{child.log.read()[-2000:]}"}
 
 
-def official_on_gpu(official: Path, cfg, u, dy):
-    """The official layer of cfg's widths, run once on its kernels; None, said why, if it fails."""
-    from triton.runtime.autotuner import Autotuner
-    # from here on every Triton autotuner takes its first config (theirs: 234, not done in 10 min)
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda tuner, kwargs: prune(tuner, kwargs)[:1]
-    sys.modules.setdefault("mamba_ssm", official_package(official))
-    try:
-        from mamba_ssm.modules.mamba3 import Mamba3
-        theirs = official_layer(Mamba3, cfg, device="cuda")
-        forward_backward(theirs, u, dy)
-        return theirs
-    except Exception as e:  # a contender that does not run is a finding: shown, then the rest
-        say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
-
-
 def layer_times(mixer, u, dy, reps: int, official=None, shape: str = "") -> dict:
     """Medians of a bf16 forward + backward of the layer on each scan path (and of `official`), and
     of its two projections alone: each path's layer and region (the difference) against the HBM
@@ -605,8 +570,6 @@ def layer_times(mixer, u, dy, reps: int, official=None, shape: str = "") -> dict
     print_table(f"one layer forward + backward, {shape}, bf16 autocast, medians of {reps}",
                 ["scan path", "layer ms", "region ms (layer - projections)",
                  "layer speed-up vs torch", "region of HBM roofline"], rows)
-    if official is not None:
-        say(f"the Triton path's layer takes {t['triton'] / t['official']:.2f}x the official's time")
     at = (f" at {bw / 1e12:.2f} TB/s = {moved / bw * 1e3:.3f} ms" if bw
           else f"; no HBM bandwidth known for {name}")
     console.print(f"projections alone: {t['projections'] * 1e3:.2f} ms; region's compulsory "
@@ -619,6 +582,15 @@ def gpu_resets(B: int, L: int):
     reset = torch.rand(B, L, generator=torch.Generator().manual_seed(0)) < 1 / 200
     reset[:, 0] = False
     return reset.cuda()
+
+
+def gpu_layer(B: int, L: int):
+    """(mixer, u, dy, shape): a seeded 440m mixer on the GPU, its input and output's gradient."""
+    torch.manual_seed(0)
+    cfg = PRESETS["440m"]
+    mixer = Mamba3Mixer(cfg).cuda()
+    u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
+    return mixer, u, dy, f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
 
 
 def gpu_checks(mixer, u, dy, shape: str, out: dict, done):
@@ -666,33 +638,24 @@ def gpu(
         "batch 8 x 2048 (the default fits the time; the preset's 524,288 takes 32)."),
     json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
                                              help="Also write every figure there, as JSON."),
-    official: Optional[Path] = typer.Option(
-        None, exists=True, file_okay=False, help="A checkout of state-spaces/mamba: instead of the "
-        "checks, time its Mamba-3 SISO layer beside ours (its autotuners: their first config)."),
 ):
     """On a CUDA GPU, within five minutes of an H200: a 440m layer's output and gradients on the
     Triton path against the float32 torch path (bf16, bf16 with resets, fp32), its forward +
     backward time on both paths and against the HBM roofline, then steps of the 440m preset,
-    compiled (started first, to overlap the checks). --official DIR: the timings, theirs too."""
+    compiled (started first, to overlap the checks)."""
     t0 = time.monotonic()
     with D.cli_errors(ValueError):
         if not torch.cuda.is_available():
             raise ValueError("bench.py gpu needs a CUDA GPU and torch sees none here (without one, "
                              "python tools/gpu_evidence.py compile shows the GPU's binaries)")
-        check_official(official)
         if total_batch_size % 16384:
             raise ValueError(f"--total-batch-size {total_batch_size} must be a multiple of 16384 "
                              "(8 x 2048, one micro batch of the 440m recipe)")
-    child = None
-    if train_steps and not official:  # first: its compilation overlaps the checks
-        child = start_train_child(train_steps, total_batch_size // 16384)
+    # first: its compilation overlaps the checks
+    child = start_train_child(train_steps, total_batch_size // 16384) if train_steps else None
     deadline = t0 + GPU_BUDGET_S - 15  # for the training run, leaving the time to report
     torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
-    torch.manual_seed(0)
-    cfg, B, L = PRESETS["440m"], batch_size, seq_len
-    mixer = Mamba3Mixer(cfg).cuda()
-    u, dy = (torch.randn(B, L, cfg.d_model, device="cuda") for _ in range(2))
-    shape = f"B{B} L{L} H{cfg.n_heads} P{cfg.headdim} N{cfg.d_state} C{cfg.chunk_size}"
+    mixer, u, dy, shape = gpu_layer(batch_size, seq_len)
     out = {"machine": machine(), "triton": K.triton.__version__, "shape": shape, "checks": {},
            "elapsed_s": {}, "failed": []}
 
@@ -700,15 +663,13 @@ def gpu(
         out["elapsed_s"][part] = round(time.monotonic() - t0, 1)
         say(f"[{part}: done at {out['elapsed_s'][part]:.0f} s]")
 
-    if not official:
-        gpu_checks(mixer, u, dy, shape, out, done)
+    gpu_checks(mixer, u, dy, shape, out, done)
     if child:
         out["train_ready"] = child_says(child, deadline)  # compiled: the GPU is ours now
         done("training run compiled")
-    theirs = official_on_gpu(official, cfg, u, dy) if official else None
-    out["layer_times"] = layer_times(mixer, u, dy, reps, theirs, shape)
+    out["layer_times"] = layer_times(mixer, u, dy, reps, shape=shape)
     done("layer timings")
-    del mixer, u, dy, theirs
+    del mixer, u, dy
     torch.cuda.empty_cache()
     if child:
         gpu_train(child, deadline, out)

@@ -123,7 +123,7 @@ def test_the_gpu_layer_check_passes_through_the_interpreter(dtype, resets):
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
-    # bench.py gpu --official times the official layer beside ours: here a second layer of ours stands in for it
+    # tools/gpu_evidence.py official times the official layer beside ours: here a second layer of ours stands in
     cfg = dataclasses.replace(PRESETS["440m"], d_model=64)
     mixer, other = Mamba3Mixer(cfg), Mamba3Mixer(cfg)
     u, dy = torch.randn(1, 64, cfg.d_model), torch.randn(1, 64, cfg.d_model)
@@ -186,7 +186,7 @@ def test_the_gpu_check_writes_every_figure_as_json(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "gpu_resets", lambda B, L: "resets")
     monkeypatch.setattr(bench, "check_layer", lambda mixer, u, dy, dtype, reset: calls.append((dtype, reset))
                         or (rows if reset is None else [rows[0][:-1] + (False,)]))
-    monkeypatch.setattr(bench, "layer_times", lambda *a: calls.append("times") or {"triton": {"layer_ms": 2.0}})
+    monkeypatch.setattr(bench, "layer_times", lambda *a, **kw: calls.append("times") or {"triton": {"layer_ms": 2.0}})
     monkeypatch.setattr(bench, "start_train_child", lambda steps, accum: calls.append(("child", steps, accum)) or "child")
     said = iter([{"ready": 60.0}, {"steps": 10, "tokens_per_step": 16384, "tok_per_s": 1e5, "ms_per_step": 160,
                                    "mfu": 0.3, "peak_memory_gb": 40.0}])

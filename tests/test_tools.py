@@ -1,10 +1,11 @@
 """tools/gpu_evidence.py: the GPU path's evidence that needs no GPU. Its commands refuse bad input the way the
 other CLIs do, the launch recorder describes launches as the JIT specializes them, the byte counter sees the
-kernels and the eager ops, the official layer runs through the interpreter with every patch undone after, and
-(slow) every kernel the layer launches compiles for sm_90."""
+kernels and the eager ops, the official layer runs through the interpreter with every patch undone after, its
+timing beside ours runs with the GPU work stood in, and (slow) every kernel the layer launches compiles for sm_90."""
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,53 @@ def test_an_official_directory_that_is_not_a_mamba_checkout_is_refused(command, 
     result = invoke(command, "--official", tmp_path)
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert result.output.startswith("error: --official") and "not a checkout of state-spaces/mamba" in result.output
+
+
+def test_the_official_timing_refuses_a_directory_that_is_not_a_mamba_checkout(tmp_path):
+    result = invoke("official", tmp_path)
+    assert result.exit_code == 2 and result.output == (f"error: {tmp_path} is not a checkout of state-spaces/mamba "
+                                                       "with Mamba-3 (it has no mamba_ssm/ops/triton/mamba3)\n")
+
+
+def test_the_official_timing_refuses_cleanly_without_cuda_or_with_the_interpreter(monkeypatch, tmp_path):
+    import triton
+    (tmp_path / "mamba_ssm" / "ops" / "triton" / "mamba3").mkdir(parents=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke("official", tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1
+    assert result.output.startswith("error: ") and "CUDA" in result.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)  # its timing is of compiled kernels
+    result = invoke("official", tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "TRITON_INTERPRET" in result.output
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_the_official_timing_times_theirs_beside_ours_and_exits_1_when_theirs_does_not_run(runs, monkeypatch,
+                                                                                          tmp_path):
+    # the command's flow with the GPU work stood in for: bench.py gpu's layer, the official one built on its
+    # widths, both timed together, every figure in the JSON
+    import json
+    import triton
+    (tmp_path / "mamba_ssm" / "ops" / "triton" / "mamba3").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(G, "machine", lambda: "a test")
+    mixer = types.SimpleNamespace(cfg="440m")
+    monkeypatch.setattr(G, "gpu_layer", lambda B, L: calls.append(("layer", B, L)) or (mixer, "u", "dy", "B2 L64"))
+    monkeypatch.setattr(G, "official_on_gpu", lambda src, cfg, u, dy: calls.append(("theirs", src, cfg))
+                        or ("theirs" if runs else None))
+    times = {"triton": {"layer_ms": 3.0}} | ({"official": {"layer_ms": 2.0}} if runs else {})
+    monkeypatch.setattr(G, "layer_times", lambda *a: calls.append(a) or times)
+    result = invoke("official", tmp_path, "--batch-size", 2, "--seq-len", 64, "--reps", 3,
+                    "--json", tmp_path / "o.json")
+    assert result.exit_code == (0 if runs else 1), result.output
+    assert calls == [("layer", 2, 64), ("theirs", tmp_path, "440m"),
+                     (mixer, "u", "dy", 3, "theirs" if runs else None, "B2 L64")]
+    figures = json.loads((tmp_path / "o.json").read_text())
+    assert figures["layer_times"] == times and figures["shape"] == "B2 L64" and figures["official"] == str(tmp_path)
+    assert ("takes 1.50x the official's time" in result.output) == runs
 
 
 OFFICIAL_KERNEL = '''

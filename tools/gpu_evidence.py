@@ -1,4 +1,4 @@
-"""What mamba3-lite's GPU path does, shown on a machine without a GPU.
+"""What mamba3-lite's GPU path does: shown without a GPU, timed beside the official layer on one.
 
     python tools/gpu_evidence.py compile   # each Triton kernel of a layer, compiled for sm_80, sm_90
     python tools/gpu_evidence.py compile --arch sm_80 --arch sm_89 --arch sm_90 --dtype bf16 \
@@ -6,13 +6,16 @@
     python tools/gpu_evidence.py compile --configs candidates  # the launch configs kernels.py tunes
     python tools/gpu_evidence.py traffic   # the bytes the fused mixer region moves, vs the minimum
     python tools/gpu_evidence.py memory    # training state per GPU, DDP and --fsdp; a step's peak
+    python tools/gpu_evidence.py official DIR --json official.json  # on a GPU: theirs beside ours
 
-With --official DIR (a checkout of state-spaces/mamba), the official Mamba-3 kernels are shown
-beside ours. compile and traffic run a layer through Triton's interpreter on CPU tensors and
-reach into Triton's and torch's internals (the interpreter's loads and stores, the JIT's
-specializer, the active driver, the dispatcher): that is why they live here, apart from the
-benchmarks, and why a Triton upgrade may break them while it leaves the model alone. memory
-predicts a GPU rank's training state from the shapes and measures a step's peak on 2 CPU ranks.
+With --official DIR (a checkout of state-spaces/mamba), compile and traffic show the official
+Mamba-3 kernels beside ours; official DIR times that layer beside ours on a CUDA GPU, the one
+command here that needs one (bench.py gpu's layer and timing). compile and traffic run a layer
+through Triton's interpreter on CPU tensors and reach into Triton's and torch's internals (the
+interpreter's loads and stores, the JIT's specializer, the active driver, the dispatcher): that is
+why they live here, apart from the benchmarks, and why a Triton upgrade may break them while it
+leaves the model alone. memory predicts a GPU rank's training state from the shapes and measures a
+step's peak on 2 CPU ranks.
 """
 import collections
 import contextlib
@@ -36,9 +39,10 @@ from typing import List, Optional
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules, for the CLI
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] != ["official"]:
     # traffic counts through Triton's interpreter, which is chosen when triton is first imported;
-    # compile runs its two steps in processes of their own, one interpreted and one not
+    # compile runs its two steps in processes of their own, one interpreted and one not (official
+    # runs the compiled kernels on a GPU)
     os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
@@ -51,8 +55,8 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import kernels as K  # noqa: E402
 import train  # noqa: E402
-from bench import TORCH_DTYPE, DType, check_official, console, machine, print_table  # noqa: E402
-from bench import official_layer, official_package  # noqa: E402
+from bench import TORCH_DTYPE, DType, console, forward_backward, gpu_layer  # noqa: E402
+from bench import layer_times, machine, print_table, say  # noqa: E402
 from data import cli_errors  # noqa: E402
 from model import PRESETS, Mamba3LM, Mamba3Mixer, ModelConfig  # noqa: E402
 
@@ -60,6 +64,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   pretty_exceptions_enable=False, help=__doc__.split("\n")[0])
 Official = typer.Option(None, exists=True, file_okay=False,
                         help="A checkout of state-spaces/mamba: its Mamba-3 SISO layer's kernels too.")
+
+
+def check_official(official: Optional[Path], named: str = "--official "):
+    if official and not (official / "mamba_ssm" / "ops" / "triton" / "mamba3").is_dir():
+        raise ValueError(f"{named}{official} is not a checkout of state-spaces/mamba with Mamba-3 "
+                         "(it has no mamba_ssm/ops/triton/mamba3)")
+
+
+def official_package(src):
+    """state-spaces/mamba's package at src, its submodules importable without its __init__'s."""
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = [str(Path(src) / "mamba_ssm")]
+    return package
+
+
+def official_layer(Mamba3, cfg, **kwargs):
+    # cfg's widths (the official defaults, expand 2 and half the state dims turned, are ours)
+    return Mamba3(d_model=cfg.d_model, d_state=cfg.d_state, headdim=cfg.headdim,
+                  ngroups=cfg.ngroups, chunk_size=cfg.chunk_size, **kwargs)
 
 
 def layer_config(heads: int, ngroups: int = 1, mimo_rank: int = 1):
@@ -857,6 +880,63 @@ def memory(batch_size: int = typer.Option(1, min=1, help="Sequences per rank, me
         rows.append(["--fsdp" if fsdp else "DDP", f"{max(peaks) / 1e6:,.0f}"])
     print_table(f"train.py {' '.join(args)} on 2 ranks: MB", ["", "peak added, larger rank"], rows)
     console.print(f"machine: {machine()}")
+
+
+# -----------------------------------------------------------------------------
+# official: the official layer timed beside ours, on a GPU
+
+
+def official_on_gpu(official: Path, cfg, u, dy):
+    """The official layer of cfg's widths, run once on its kernels; None, said why, if it fails."""
+    from triton.runtime.autotuner import Autotuner
+    # from here on every Triton autotuner takes its first config (theirs: 234, not done in 10 min)
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda tuner, kwargs: prune(tuner, kwargs)[:1]
+    sys.modules.setdefault("mamba_ssm", official_package(official))
+    try:
+        from mamba_ssm.modules.mamba3 import Mamba3
+        theirs = official_layer(Mamba3, cfg, device="cuda")
+        forward_backward(theirs, u, dy)
+        return theirs
+    except Exception as e:  # a contender that does not run is a finding: shown, then ours timed
+        say(f"the official layer in {official} did not run here: {type(e).__name__}: {e}")
+
+
+@app.command("official")
+def official_times(
+    checkout: Path = typer.Argument(..., exists=True, file_okay=False, metavar="DIR",
+                                    help="A checkout of state-spaces/mamba with Mamba-3."),
+    batch_size: int = typer.Option(8, min=1, help="B of the layer timed."),
+    seq_len: int = typer.Option(2048, min=1, help="L of the layer timed."),
+    reps: int = typer.Option(20, min=1, help="Interleaved repetitions of the layer timings."),
+    json_path: Optional[Path] = typer.Option(None, "--json", dir_okay=False,
+                                             help="Also write every figure there, as JSON."),
+):
+    """On a CUDA GPU: the official Mamba-3 SISO layer's forward + backward time beside ours.
+
+    bench.py gpu's 440m layer and its timing (both scan paths, the projections alone, the HBM
+    roofline), the official layer of the same widths timed with them; its autotuners take their
+    first config, ours tune as always. Exits 1 when the official layer does not run."""
+    with cli_errors(ValueError):
+        check_official(checkout, named="")
+        if not torch.cuda.is_available():
+            raise ValueError("official times the layers on a CUDA GPU and torch sees none here")
+        if triton.knobs.runtime.interpret:
+            raise ValueError("official times the compiled kernels: run it without "
+                             "TRITON_INTERPRET=1")
+    mixer, u, dy, shape = gpu_layer(batch_size, seq_len)
+    theirs = official_on_gpu(checkout, mixer.cfg, u, dy)
+    out = {"machine": machine(), "triton": triton.__version__, "shape": shape,
+           "official": str(checkout), "layer_times": layer_times(mixer, u, dy, reps, theirs, shape)}
+    if theirs is not None:
+        times = out["layer_times"]
+        ratio = times["triton"]["layer_ms"] / times["official"]["layer_ms"]
+        say(f"the Triton path's layer takes {ratio:.2f}x the official's time")
+    if json_path:
+        json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    console.print(f"machine: {out['machine']}, triton {out['triton']}")
+    if theirs is None:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":
