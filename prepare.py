@@ -54,12 +54,12 @@ PARQUET_ROWS = 1024  # rows per batch read from a Parquet file: a bounded slice 
 @dataclasses.dataclass
 class Options:
     """How prepare() cuts and tokenizes; the fields are also the command's flags (see main)."""
-    shard_tokens: Annotated[int, Option(help="Most tokens per shard; shards end at document ends "
-                                        "(a longer document gets one of its own).")] = 50_000_000
+    shard_tokens: Annotated[int, Option(min=1, help="Most tokens per shard; shards end at "
+                                        "document ends (a longer one gets its own).")] = 50_000_000
     val_fraction: Annotated[Optional[float], Option(
         help="Fraction of documents held out for validation, at least one when > 0 (default: 0.01 "
         "for the demo, 0.0005 otherwise).")] = None
-    workers: Annotated[Optional[int], Option(help="Worker processes (default: all cores).")] = None
+    workers: Annotated[Optional[int], Option(min=1, help="Processes (default: all cores).")] = None
     eos_token: Annotated[Optional[str], Option(help="A tokenizer file's end-of-document token, "
                                                f"if not one of {', '.join(EOS_TOKENS)}.")] = None
     overwrite: Annotated[bool, Option(help="Replace an --out-dir that holds something other than a "
@@ -327,16 +327,15 @@ def _ours(old: Path) -> set:
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
     """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`; return the
-    manifest. `options` are Options' fields, all checked (and the tokenizer loaded) before work."""
+    manifest. `options`: Options' fields, in Typer's ranges; the rest is checked before work."""
     o = Options(**options)
     o.val_fraction = 0.0005 if o.val_fraction is None else o.val_fraction
     o.workers = (os.cpu_count() or 1) if o.workers is None else o.workers
     out = Path(out).resolve() if Path(out).is_symlink() else Path(out)  # the swap renames dirs
     tok_file = None if tokenizer in ("byte", "gpt2") else Path(tokenizer)  # (their EOS is built in)
+    # Typer checks the flags' other ranges; a NaN would pass its --val-fraction range
     for ok, flag, want, value in [
             (0 <= o.val_fraction < 1, "--val-fraction", "a fraction in [0, 1)", o.val_fraction),
-            (o.shard_tokens >= 1, "--shard-tokens", "a positive number of tokens", o.shard_tokens),
-            (o.workers >= 1, "--workers", "at least 1", o.workers),
             (not tok_file or tok_file.is_file(), "--tokenizer",
              "gpt2, byte or a tokenizer.json file", f"{tokenizer!r} (no such file)"),
             (not out.exists() or out.is_dir(), f"--out-dir {out}", "a directory", "a file")]:
