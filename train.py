@@ -411,36 +411,32 @@ def write(path, text, append=False):
 def move_aside(out, step, files, prefix):
     """Move the checkpoint `files` of steps after `step` (step -1: and config.json) and their
     records into a new OUT/PREFIX-TIME/, returned (None if none): a branch left is never deleted.
-    A journal in a hidden directory names `step` before finish_moves moves them."""
+    The hidden stage is made first, its name the journal (`step` in it), then finish_moves moves."""
     if any(s > step for s in files):
         base = time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
         name = next(n for i in range(99) if not (out / (n := base + f"-{i}" * (i > 0))).exists())
-        (out / f".{name}.moving").mkdir()
-        write(out / f".{name}.moving/journal.json", json.dumps(dict(step=step)))
+        (out / f".{name}.after{step}.moving").mkdir()
     return finish_moves(out, step)
 
 
 def finish_moves(out, step=None):
-    """Do the moves journalled in OUT/.NAME.moving/ (then named NAME, returned) and drop records
-    after `step`. The next run finishes one a killed run left before it reads or writes a step
-    (so the steps after the journal's are still the ones to move): no step is split in two."""
+    """Do the moves journalled as OUT/.NAME.afterSTEP.moving/ (then named NAME, returned) and drop
+    records after `step`. The next run finishes one a killed run left before it reads or writes a
+    step (so the steps after the journal's are still the ones to move): no step is split in two."""
     metrics, aside, records = out / "metrics.jsonl", None, []
     text = metrics.read_text() if metrics.exists() else ""
     for line in text.splitlines():
         with contextlib.suppress(ValueError, KeyError, TypeError):  # (a line a full disk cut short)
             records.append((line + "\n", json.loads(line)["step"]))
-    for stage in sorted(out.glob(".*.moving")):
-        if not (stage / "journal.json").is_file():  # killed before its journal: nothing moved yet
-            shutil.rmtree(stage)
-            continue
-        after = json.loads((stage / "journal.json").read_text())["step"]
+    for stage in sorted(out.glob(".*.after*.moving")):
+        final, after = stage.name[1:-len(".moving")].rsplit(".after", 1)
+        after = int(after)
         names = [p.name for s, ps in ckpt.step_files(out).items() if s > after for p in ps]
         for name in names + ["config.json"] * (after < 0 and (out / "config.json").exists()):
             os.replace(out / name, stage / name)
         write(stage / metrics.name, "".join(line for line, s in records if s > after))
-        os.replace(stage, aside := out / stage.name[1:-len(".moving")])  # the move, whole
+        os.replace(stage, aside := out / final)  # the move, whole
         data.fsync(out)
-        (aside / "journal.json").unlink()
         step = min(after, math.inf if step is None else step)
     keep = "".join(line for line, s in records if step is None or s <= step)
     if keep != text:  # records dropped, or a last line without its newline (the next would join it)
