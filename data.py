@@ -630,12 +630,9 @@ class Batches:
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}: a resume must keep it, or start a fresh run")
-        consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
-        if (consumed % self.cfg.global_batch) % step:
-            raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
-                            f"a step, not a whole number of micro_batch x world_size = {step}")
-        self.close()
-        self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
+        self.close()  # (train.py saves between optimizer steps: whole global batches consumed)
+        self._consumed = int(state["consumed"])
+        self._counts = tuple(int(c) for c in state["source_consumed"])
 
     def close(self):  # stops the prefetch thread, if one runs (the next batch starts it again)
         if self._pool is not None:
