@@ -585,8 +585,6 @@ class Batches:
         B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
         G = cfg.global_batch or B * world
         self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
-        if not 0 <= cfg.rank < world:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found {cfg.rank}")
         if G % (B * world):
             good = max(1, round(G / (B * world))) * B * world
             raise DataError(f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len "
