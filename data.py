@@ -343,8 +343,8 @@ class TokenSource:
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
         for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):
             tokens, V = self.tokens[k], self._vocab
-            if tokens.max() >= V or tokens.min() < 0:
-                i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+            if tokens.max() >= V:  # (no id below 0: only a manifest's uint16/uint32 files wait)
+                i = int(np.flatnonzero(tokens >= V)[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
                                 f"outside [0, {V}), though the manifest says otherwise: changed "
                                 "since prepare.py wrote it? `python prepare.py verify "
