@@ -214,7 +214,7 @@ def load_tokenizer(spec: dict, directory=None, path=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
     "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (or at
     `path`); its EOS: spec["eos_token"], else the first of EOS_TOKENS the file has."""
-    name = spec.get("name") if isinstance(spec, dict) else None
+    name = spec.get("name")  # (a manifest's tokenizer is an object: read_manifest checks it)
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
