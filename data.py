@@ -407,7 +407,7 @@ def _prepared(p, split, dtype):
 def _shard_dir(p, split, dtype):
     number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
     shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    return TokenSource(p, shards, dtype or np.uint16) if shards else None
+    return TokenSource(p, shards, dtype) if shards else None
 
 
 def _nanogpt_dir(p, split, dtype):
@@ -416,7 +416,7 @@ def _nanogpt_dir(p, split, dtype):
     if not (f := p / f"{split}.bin").exists():
         raise NoSplit(f"{p}: expected {split}.bin in this nanoGPT data directory, found "
                       f"{_listing(p)}")
-    return TokenSource(f, [f], dtype or np.uint16)
+    return TokenSource(f, [f], dtype)
 
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -477,12 +477,12 @@ def _raw_file(p, split, dtype):
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
         raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
                         f"holds text: `python prepare.py {p} --out-dir DIR` makes it --data DIR")
-    return TokenSource(p, [p], dtype or np.uint16)
+    return TokenSource(p, [p], dtype)
 
 
-# An opener takes (path, split, dtype or None) and returns a TokenSource, or None when the path is
-# not of its format: a new format is one opener and one line here, (what it is, its opener, whether
-# it has splits; if not, it is one stream: the train split), in the order open_tokens tries them.
+# An opener takes (path, split, dtype: the one given, else uint16) and returns a TokenSource, or
+# None when the path is not of its format: a new format is one opener and one line here (what it
+# is, its opener, whether it has splits; if not, it is one stream: the train split), tried in order.
 FORMAT_OPENERS = [
     ("a prepare.py directory (manifest.json)", _prepared, True),
     ("a directory of shard_*.bin files", _shard_dir, False),
@@ -498,7 +498,7 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for what, opener, splits in FORMAT_OPENERS:
-        if (source := opener(p, split, want)) is None:
+        if (source := opener(p, split, want or np.uint16)) is None:
             continue
         if not splits and split != "train":
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
