@@ -288,10 +288,6 @@ class TokenSource:
                                       int(max((t.max() for t in self.tokens), default=0)))
         return self._range
 
-    @property
-    def max_token_id(self) -> int:
-        return self.id_range()[1]
-
     def digest(self) -> str:  # of the files: names and sha256 (a manifest's), else names and sizes
         files = [(f.name, self._sha256.get(f.name) or f.stat().st_size) for f in self.files]
         return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]

@@ -176,7 +176,7 @@ def test_manifest_splits_and_metadata(tmp_path):
     train, val = open_tokens(d), open_tokens(d, "val")
     assert (train.num_tokens, val.num_tokens) == (300, 40)
     assert (train.vocab_size, train.eos_id, train.tokenizer) == (60000, 5, {"name": "byte"})
-    assert train.max_token_id == int(s.max()) and val.max_token_id == int(s[:40].max())
+    assert train.id_range() == (0, int(s.max())) and val.id_range() == (0, int(s[:40].max()))
     assert open_blend([str(d)])[2].num_tokens == 40  # the val split is what train.py evaluates on
 
 
@@ -330,7 +330,7 @@ def test_check_vocab(tmp_path):
     # A raw source has no manifest: its max comes from a scan of the files.
     np.array([3, 9, 4000, 2], np.uint16).tofile(tmp_path / "r.bin")
     raw = open_tokens(tmp_path / "r.bin")
-    assert raw.max_token_id == 4000
+    assert raw.id_range() == (2, 4000)
     with pytest.raises(DataError, match="found 4000"):
         check_vocab(raw, 4000)
     # Signed Megatron tokens can be negative, which no vocabulary holds.
