@@ -537,9 +537,6 @@ def test_val_batches_are_the_first_windows_fixed_and_split_over_ranks(tmp_path):
     small = open_tokens(write_manifest_dir(tmp_path / "s", {"train": s[:30]}))
     (x, y), = list(val_batches(small, BatchConfig(L, 8), 3))
     assert x.shape == (4, L) and torch.equal(x[:, 1:], y[:, :-1])
-    tiny = open_tokens(write_manifest_dir(tmp_path / "t", {"train": s[:L]}))
-    with pytest.raises(DataError, match="at least seq_len \\+ 1 = 8 validation tokens, found 7"):
-        list(val_batches(tiny, BatchConfig(L, 1), 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
