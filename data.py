@@ -622,8 +622,8 @@ class Batches:
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}: a resume must keep it, or start a fresh run")
-        self.close()  # (train.py saves between optimizer steps: whole global batches consumed)
-        self._consumed = int(state["consumed"])
+        self.close()
+        self._consumed = int(state["consumed"])  # (train.py saves between steps: whole batches)
         self._counts = tuple(int(c) for c in state["source_consumed"])
 
     def close(self):  # stops the prefetch thread, if one runs (the next batch starts it again)
