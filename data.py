@@ -305,7 +305,9 @@ class TokenSource:
         self._vocab, self.unchecked = vocab_size, set(range(len(self.files) * self.recorded))
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the stream: a view of the file they lie in, else a copy."""
+        """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
+        if start < 0 or n < 0 or start + n > self.num_tokens:
+            raise IndexError(f"read({start}, {n}) outside {self.path} ({self.num_tokens} tokens)")
         a, b = self.starts.searchsorted(start, "right") - 1, self.starts.searchsorted(start + n)
         pieces = [t[max(start - s, 0) : start + n - s]  # of files a .. b - 1
                   for t, s in zip(self.tokens[a:b], self.starts[a:b].tolist())]

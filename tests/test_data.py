@@ -151,6 +151,8 @@ def test_reads_spanning_files_equal_the_stream(kind, tmp_path):
     inside = source.read(1, 3)
     assert not inside.flags.owndata  # a view of the memory map, not a copy
     assert np.shares_memory(inside, source.tokens[0]) and first.exists()
+    with pytest.raises(IndexError):
+        source.read(len(s) - 2, 3)
 
 
 def test_raw_dtype_and_split_rules(tmp_path):
