@@ -214,7 +214,7 @@ def load_tokenizer(spec: dict, directory=None, path=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or {"name": "file",
     "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file in `directory` (or at
     `path`); its EOS: spec["eos_token"], else the first of EOS_TOKENS the file has."""
-    name = spec.get("name") if isinstance(spec, dict) else None
+    name = spec.get("name")  # (a manifest's tokenizer is an object: read_manifest checks it)
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
@@ -288,10 +288,6 @@ class TokenSource:
                                       int(max((t.max() for t in self.tokens), default=0)))
         return self._range
 
-    @property
-    def max_token_id(self) -> int:
-        return self.id_range()[1]
-
     def digest(self) -> str:  # of the files: names and sha256 (a manifest's), else names and sizes
         files = [(f.name, self._sha256.get(f.name) or f.stat().st_size) for f in self.files]
         return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
@@ -345,8 +341,8 @@ class TokenSource:
         first, last = self.starts.searchsorted([begin, begin + seq_len], "right")
         for k in sorted(self.unchecked & {k for a, b in zip(first - 1, last) for k in range(a, b)}):
             tokens, V = self.tokens[k], self._vocab
-            if tokens.max() >= V or tokens.min() < 0:
-                i = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+            if tokens.max() >= V:  # (no id below 0: only a manifest's uint16/uint32 files wait)
+                i = int(np.flatnonzero(tokens >= V)[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
                                 f"outside [0, {V}), though the manifest says otherwise: changed "
                                 "since prepare.py wrote it? `python prepare.py verify "
@@ -409,7 +405,7 @@ def _prepared(p, split, dtype):
 def _shard_dir(p, split, dtype):
     number = lambda f: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", f.name)]  # noqa
     shards = sorted(p.glob("shard_*.bin"), key=number) if p.is_dir() else []  # shard_2 < shard_10
-    return TokenSource(p, shards, dtype or np.uint16) if shards else None
+    return TokenSource(p, shards, dtype) if shards else None
 
 
 def _nanogpt_dir(p, split, dtype):
@@ -418,7 +414,7 @@ def _nanogpt_dir(p, split, dtype):
     if not (f := p / f"{split}.bin").exists():
         raise NoSplit(f"{p}: expected {split}.bin in this nanoGPT data directory, found "
                       f"{_listing(p)}")
-    return TokenSource(f, [f], dtype or np.uint16)
+    return TokenSource(f, [f], dtype)
 
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -479,12 +475,12 @@ def _raw_file(p, split, dtype):
     if named or text and all(c.isprintable() or c in "\t\n\r\f" for c in text):
         raise DataError(f"{p}: expected a file of token ids, found {named or 'UTF-8 text'}, which "
                         f"holds text: `python prepare.py {p} --out-dir DIR` makes it --data DIR")
-    return TokenSource(p, [p], dtype or np.uint16)
+    return TokenSource(p, [p], dtype)
 
 
-# An opener takes (path, split, dtype or None) and returns a TokenSource, or None when the path is
-# not of its format: a new format is one opener and one line here, (what it is, its opener, whether
-# it has splits; if not, it is one stream: the train split), in the order open_tokens tries them.
+# An opener takes (path, split, dtype: the one given, else uint16) and returns a TokenSource, or
+# None when the path is not of its format: a new format is one opener and one line here (what it
+# is, its opener, whether it has splits; if not, it is one stream: the train split), tried in order.
 FORMAT_OPENERS = [
     ("a prepare.py directory (manifest.json)", _prepared, True),
     ("a directory of shard_*.bin files", _shard_dir, False),
@@ -500,7 +496,7 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
     p = Path(path)
     want = None if dtype is None else np.dtype(dtype).newbyteorder("<")
     for what, opener, splits in FORMAT_OPENERS:
-        if (source := opener(p, split, want)) is None:
+        if (source := opener(p, split, want or np.uint16)) is None:
             continue
         if not splits and split != "train":
             raise NoSplit(f"{p}: asked for the {split!r} split, but {what} holds one token stream "
@@ -585,8 +581,6 @@ class Batches:
         B, L, world = cfg.micro_batch, cfg.seq_len, cfg.world_size
         G = cfg.global_batch or B * world
         self.cfg = cfg = dataclasses.replace(cfg, global_batch=G)
-        if not 0 <= cfg.rank < world:
-            raise DataError(f"Batches: expected 0 <= rank < world_size = {world}, found {cfg.rank}")
         if G % (B * world):
             good = max(1, round(G / (B * world))) * B * world
             raise DataError(f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len "
@@ -630,12 +624,9 @@ class Batches:
             if state.get(key) != mine:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this run "
                                 f"has {key} = {mine}: a resume must keep it, or start a fresh run")
-        consumed, step = int(state["consumed"]), self.cfg.micro_batch * self.cfg.world_size
-        if (consumed % self.cfg.global_batch) % step:
-            raise DataError(f"loader state: saved {consumed % self.cfg.global_batch} samples into "
-                            f"a step, not a whole number of micro_batch x world_size = {step}")
         self.close()
-        self._consumed, self._counts = consumed, tuple(int(c) for c in state["source_consumed"])
+        self._consumed = int(state["consumed"])  # (train.py saves between steps: whole batches)
+        self._counts = tuple(int(c) for c in state["source_consumed"])
 
     def close(self):  # stops the prefetch thread, if one runs (the next batch starts it again)
         if self._pool is not None:
@@ -705,11 +696,8 @@ def val_batches(source, cfg: BatchConfig, num_batches):
     full ones (or one smaller one when there are fewer windows than B). Batch j goes to rank j %
     world_size: a rank may get one fewer, so sum losses and counts across ranks, not means."""
     import torch
-    B, L = cfg.micro_batch, cfg.seq_len
-    if (windows := (source.num_tokens - 1) // L) < 1:
-        raise DataError(f"{source.path}: expected at least seq_len + 1 = {L + 1} validation "
-                        f"tokens, found {source.num_tokens}")
-    n = min(num_batches * B, windows)
+    B, L = cfg.micro_batch, cfg.seq_len  # (train.py turns evaluation off below L + 1 tokens)
+    n = min(num_batches * B, (source.num_tokens - 1) // L)
     bounds = [(j * B, (j + 1) * B) for j in range(n // B)] or [(0, n)]
     pin = str(cfg.device).startswith("cuda")
     for j in range(cfg.rank, len(bounds), cfg.world_size):

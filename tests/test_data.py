@@ -178,7 +178,7 @@ def test_manifest_splits_and_metadata(tmp_path):
     train, val = open_tokens(d), open_tokens(d, "val")
     assert (train.num_tokens, val.num_tokens) == (300, 40)
     assert (train.vocab_size, train.eos_id, train.tokenizer) == (60000, 5, {"name": "byte"})
-    assert train.max_token_id == int(s.max()) and val.max_token_id == int(s[:40].max())
+    assert train.id_range() == (0, int(s.max())) and val.id_range() == (0, int(s[:40].max()))
     assert open_blend([str(d)])[2].num_tokens == 40  # the val split is what train.py evaluates on
 
 
@@ -332,7 +332,7 @@ def test_check_vocab(tmp_path):
     # A raw source has no manifest: its max comes from a scan of the files.
     np.array([3, 9, 4000, 2], np.uint16).tofile(tmp_path / "r.bin")
     raw = open_tokens(tmp_path / "r.bin")
-    assert raw.max_token_id == 4000
+    assert raw.id_range() == (2, 4000)
     with pytest.raises(DataError, match="found 4000"):
         check_vocab(raw, 4000)
     # Signed Megatron tokens can be negative, which no vocabulary holds.
@@ -407,8 +407,6 @@ def test_indivisible_global_batch_is_refused(tmp_path):
                             "not a multiple of micro_batch 2 (--batch-size) x world_size 4 = 8; "
                             "pick sizes where it is, for example --total-batch-size 56 (8 "
                             "sequences)")
-    with pytest.raises(DataError, match="rank"):
-        batches(source, L, 1, 4, rank=4, world_size=4)
     with pytest.raises(DataError, match="seq_len"):
         batches(source, 10_000, 1, 1)
 
@@ -448,9 +446,6 @@ def test_state_mismatch_is_a_clear_error(tmp_path):
         batches(source, L, 2, 8, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="seed = 1, but this run has seed = 2"):
         batches(source, L, 2, 4, seed=2).load_state_dict(state)
-    with pytest.raises(DataError, match="not a whole number of micro_batch x world_size = 4"):
-        # saved mid-step (3 micro-batches of 2)
-        batches(source, L, 4, 4, seed=1).load_state_dict(state)
 
 
 def test_prefetch_state_is_what_the_consumer_took(tmp_path):
@@ -544,9 +539,6 @@ def test_val_batches_are_the_first_windows_fixed_and_split_over_ranks(tmp_path):
     small = open_tokens(write_manifest_dir(tmp_path / "s", {"train": s[:30]}))
     (x, y), = list(val_batches(small, BatchConfig(L, 8), 3))
     assert x.shape == (4, L) and torch.equal(x[:, 1:], y[:, :-1])
-    tiny = open_tokens(write_manifest_dir(tmp_path / "t", {"train": s[:L]}))
-    with pytest.raises(DataError, match="at least seq_len \\+ 1 = 8 validation tokens, found 7"):
-        list(val_batches(tiny, BatchConfig(L, 1), 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
