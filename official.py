@@ -298,19 +298,17 @@ def byte_tokenizer_json() -> str:
 def _tokenizer_files(spec, run_dir):
     # {name: bytes} so that AutoTokenizer loads the export as the run's tokenizer; none for GPT-2
     # (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer
-    name, path = (spec or {}).get("name"), Path(run_dir) / (spec or {}).get("file", "")
-    if name == "file" and (not path.is_file() or
-                           spec.get("sha256") and data.sha256(path) != spec["sha256"]):
-        raise CheckpointError(f"{path}: missing, or not the tokenizer the run was trained with "
-                              "(its sha256 differs from the spec); copy it from the data directory")
+    name = (spec or {}).get("name")
     if name not in ("byte", "file"):
         return {}
+    data.load_tokenizer(spec, run_dir)  # refuses a file missing or not the spec's, as in sample.py
     # split_special_tokens: text that spells the EOS token stays text, as prepare.py encodes it
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
               "eos_token": data.EOS_TOKENS[0] if name == "byte" else spec.get("eos_token"),
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": byte_tokenizer_json().encode() if name == "byte" else
-            path.read_bytes(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    blob = (byte_tokenizer_json().encode() if name == "byte" else
+            (Path(run_dir) / spec["file"]).read_bytes())
+    return {"tokenizer.json": blob, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 def usage(out, marker):
