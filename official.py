@@ -216,10 +216,7 @@ def load_model(run_dir, step=None):
                               "holding checkpoints")
 
     def build(s):  # the model the meta of step s describes, with its weights
-        config = ckpt.read_meta(run_dir, s).get("model_config")
-        if not isinstance(config, dict):
-            raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
-                                  "not a mamba3-lite model")
+        config = ckpt.read_meta(run_dir, s)["model_config"]  # (ckpt.save records the config)
         fields = {k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__}
         model = Mamba3LM(ModelConfig(**fields))  # (a field this version dropped is passed over)
         return model.eval(), ckpt.load(run_dir, s, model)
