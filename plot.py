@@ -4,8 +4,8 @@
     python plot.py runs/small runs/tiny --out cmp.png    # several, overlaid, named by directory
 
 A run directory's metrics.jsonl holds one JSON object per line ("kind" train, eval or event, and
-the "step"); train and eval records carry the "tokens" seen. A step logged twice (redone after a
-crash) counts as its later record.
+the "step"); train and eval records carry the "tokens" seen (older runs': step x config.json's
+total_batch_size). A step logged twice (redone after a crash) counts as its later record.
 """
 import json
 from pathlib import Path
@@ -45,13 +45,26 @@ def read_metrics(run_dir: Path) -> dict:
                 raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found "
                                 f"invalid JSON ({e})") from None
             kind = rec.get("kind") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or kind in by_step and not all(
-                    isinstance(rec.get(k), int) for k in ("step", "tokens")):
+            if not isinstance(rec, dict) or (kind in by_step
+                                             and not isinstance(rec.get("step"), int)):
                 raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
-                                f"with an integer step and tokens), found {line[:80]!r}")
+                                f"with an integer step), found {line[:80]!r}")
             if kind in by_step:
                 by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's
-    return {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
+    metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
+    if untold := [r for r in metrics["train"] + metrics["eval"] if "tokens" not in r]:
+        config = run_dir / "config.json"  # an older run's: tokens per step from its config
+        try:
+            n = json.loads(config.read_text()).get("total_batch_size")
+        except (OSError, ValueError, AttributeError) as e:
+            raise PlotError(f"{config}: expected train.py's config with total_batch_size (tokens "
+                            f"per step), could not read it ({e})") from None
+        if not isinstance(n, int) or n < 1:
+            raise PlotError(f"{config}: expected total_batch_size to be a positive number of "
+                            f"tokens, found {n!r}")
+        for rec in untold:
+            rec["tokens"] = rec["step"] * n
+    return metrics
 
 
 def series(records, key):

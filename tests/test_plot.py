@@ -14,29 +14,30 @@ ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(run_dir: Path, records):
+def write_run(run_dir: Path, records, total_batch_size=1000):
     run_dir.mkdir(parents=True)
+    config = {"total_batch_size": total_batch_size, "seq_len": 100}
+    (run_dir / "config.json").write_text(json.dumps(config))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def train(step, loss, tokens_per_step=1000):
+def train(step, loss, **kw):
     lr = 1e-3 * min(1, step / 20)
-    return dict(kind="train", step=step, tokens=step * tokens_per_step, loss=loss, lr=lr,
-                tok_per_s=5000 + step)
-
-
-def evaluation(step, val_loss):
-    return dict(kind="eval", step=step, tokens=step * 1000, val_loss=val_loss)
+    return dict(kind="train", step=step, loss=loss, lr=lr, tok_per_s=5000 + step, **kw)
 
 
 def two_runs(tmp_path):
     """Run "resumed" crashed after step 60 and was resumed from its step-40 checkpoint: steps 50
-    and 60 are logged twice, the second time with other values; run "plain" has no validation."""
-    first = [train(s, 5 - s / 50) for s in range(10, 70, 10)] + [evaluation(50, 4.2)]
-    redone = [dict(kind="event", event="checkpoint", step=40), train(50, 3.5), evaluation(50, 3.9),
-              train(60, None), train(70, 3.3), evaluation(70, 3.6)]
+    and 60 are logged twice, the second time with other values; run "plain" has no validation and
+    logs its own tokens."""
+    first = [train(s, 5 - s / 50) for s in range(10, 70, 10)]
+    first += [dict(kind="eval", step=50, val_loss=4.2)]
+    redone = [dict(kind="event", event="checkpoint", step=40), train(50, 3.5),
+              dict(kind="eval", step=50, val_loss=3.9),
+              train(60, None), train(70, 3.3), dict(kind="eval", step=70, val_loss=3.6)]
     write_run(tmp_path / "resumed", first + redone)
-    write_run(tmp_path / "plain", [train(s, 4 - s / 100, 512) for s in range(5, 100, 5)])
+    plain = [train(s, 4 - s / 100, tokens=s * 512) for s in range(5, 100, 5)]
+    write_run(tmp_path / "plain", plain, 9999)
     return tmp_path / "resumed", tmp_path / "plain"
 
 
@@ -80,7 +81,8 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
     with open(broken / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 20, "loss": 3.\n')  # a line cut short
     write_run(tmp_path / "list", [train(10, 4.0), [1, 2]])
-    write_run(tmp_path / "no-tokens", [dict(kind="eval", step=10, val_loss=4.0)])
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "metrics.jsonl").write_text(json.dumps(train(10, 4.0)) + "\n")
     (tmp_path / "binary").mkdir()
     (tmp_path / "binary" / "metrics.jsonl").write_bytes(b"\xff\xfe\x00not text\n")  # not UTF-8
     out, t = str(tmp_path / "x.png"), tmp_path
@@ -89,7 +91,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
         ([str(broken)], out, f"{broken / 'metrics.jsonl'}:2: expected one JSON object per line"),
         ([str(t / "list")], out, f"{t / 'list' / 'metrics.jsonl'}:2: expected a JSON object"),
         ([str(t / "binary")], out, f"{t / 'binary' / 'metrics.jsonl'}:1: expected one JSON object"),
-        ([str(t / "no-tokens")], out, f"{t / 'no-tokens' / 'metrics.jsonl'}:1: expected a JSON object"),
+        ([str(t / "no-config")], out, f"{t / 'no-config' / 'config.json'}: expected train.py's config"),
         ([str(resumed)], str(t / "missing" / "x.png"),
          f"--out {t / 'missing' / 'x.png'}: could not write it (No such file or directory)"),
         ([str(resumed)], str(t / "x.txt"), f"--out {t / 'x.txt'}: expected an image suffix"),
@@ -100,4 +102,4 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
         assert " ".join(r.stderr.split()).startswith("error: " + message), r.stderr
         assert r.exception is None or isinstance(r.exception, SystemExit)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary", "broken", "empty", "list",
-                                                          "no-tokens", "plain", "resumed"]
+                                                          "no-config", "plain", "resumed"]
