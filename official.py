@@ -43,6 +43,7 @@ from model import Mamba3LM, ModelConfig
 MARKER = "mamba3_lite.json"  # marks an export (the next may replace it); our config and tokenizer
 FILES = {"config.json", "pytorch_model.bin", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "README.md", MARKER}  # an export's own: the rest is the user's
+NOT_OFFICIAL = "cannot be exported to the official mamba_ssm format"  # (what export refuses)
 MLP_MULTIPLE, NORM_EPS = 128, 1e-5  # GatedMLP rounds its hidden size up to the first; RMSNorm's eps
 # MambaConfig's fields and Mamba3's arguments with their defaults, for config.json files without
 CONFIG_DEFAULTS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
@@ -62,8 +63,8 @@ MIMO_NAMES = ("mimo_x", "mimo_z", "mimo_o")  # MIMO's own, the same names both w
 # the two formats: configs and state dicts, each way
 
 
-def official_config(cfg) -> dict:
-    """Our ModelConfig -> the MambaConfig (config.json) of the same model, or a CheckpointError."""
+def official_config(cfg, where) -> dict:
+    """Our ModelConfig -> the MambaConfig (config.json) of that model, or a CheckpointError."""
     rope, S, F = cfg.rope_fraction, cfg.n_angles, MLP_MULTIPLE
     problems = [what for bad, what in [
         (rope not in (0.5, 1.0), f"rope_fraction {rope}: the official Mamba3 layer accepts only "
@@ -75,7 +76,7 @@ def official_config(cfg) -> dict:
         (cfg.norm_eps != NORM_EPS, f"norm_eps {cfg.norm_eps}: the official model fixes every "
          f"RMSNorm epsilon at {NORM_EPS}")] if bad]
     if problems:
-        raise CheckpointError("; ".join(problems))
+        raise CheckpointError(f"{where} {NOT_OFFICIAL}: {'; '.join(problems)}")
     mimo = {"mimo_rank": cfg.mimo_rank} if cfg.mimo_rank > 1 else {}
     ssm_cfg = {"layer": "Mamba3", **{k: getattr(cfg, k) for k in SHARED}, "is_mimo": bool(mimo),
                "chunk_size": cfg.chunk_tokens, "is_outproj_norm": False, **mimo}
@@ -147,7 +148,7 @@ def _reorder_state_dims(state, cfg, back=False):
     return state
 
 
-def official_state_dict(state, cfg) -> dict:
+def official_state_dict(state, cfg, where) -> dict:
     """Our state dict -> the official one, or a CheckpointError naming what its blocks cannot hold
     (another MLP in model.py, say)."""
     ours = {k for ks in _names(cfg).values() for k in ks}
@@ -155,9 +156,9 @@ def official_state_dict(state, cfg) -> dict:
     if extra or lacking:  # blocks.0.mlp.fc.weight, blocks.1.mlp.fc.weight -> blocks.N.mlp.fc.weight
         extra, lacking = (", ".join(sorted({re.sub(r"^blocks\.\d+\.", "blocks.N.", k) for k in ks}))
                           or "nothing" for ks in (extra, lacking))
-        raise CheckpointError("the official blocks hold RMSNorm, the Mamba3 mixer, RMSNorm and a "
-                              "gated MLP (fc1 = [up; gate], fc2 = down), nothing else: they cannot "
-                              f"hold {extra}; they need {lacking}")
+        raise CheckpointError(f"{where} {NOT_OFFICIAL}: the official blocks hold RMSNorm, the "
+                              "Mamba3 mixer, RMSNorm and a gated MLP (fc1 = [up; gate], fc2 = "
+                              f"down), nothing else: they cannot hold {extra}; they need {lacking}")
     state = _reorder_state_dims(state, cfg) if cfg.mimo_rank > 1 else state
     out = {theirs: torch.cat([state[k] for k in keys]) for theirs, keys in _names(cfg).items()}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
@@ -185,7 +186,7 @@ def state_dict_from_official(state, cfg, where, mimo=False) -> dict:
     out = {k: v for theirs, ours in names.items() for k, v in  # fc1 in two: [up; gate]
            zip(ours, state[theirs].chunk(2) if len(ours) == 2 else [state[theirs]])}
     for name in [k for k in out if k.endswith(("B_bias", "C_bias")) and cfg.mimo_rank == 1]:
-        out[name] = out[name][:, 0] if out[name].dim() == 3 else out[name]
+        out[name] = out[name].squeeze(1)  # (H, 1, N) -> (H, N); another rank is refused below
     out["lm_head.weight"] = out["embed.weight"] = F.pad(emb, (0, 0, 0, cfg.padded_vocab - len(emb)))
     vectors = {k: out.pop(k) for k in list(out) if k.endswith(MIMO_NAMES)} if fold else {}
     with torch.device("meta"):  # shapes checked by our own model, without allocating it
@@ -215,10 +216,7 @@ def load_model(run_dir, step=None):
                               "holding checkpoints")
 
     def build(s):  # the model the meta of step s describes, with its weights
-        config = ckpt.read_meta(run_dir, s).get("model_config")
-        if not isinstance(config, dict):
-            raise CheckpointError(f"checkpoint step {s} in {run_dir} records no model_config: "
-                                  "not a mamba3-lite model")
+        config = ckpt.read_meta(run_dir, s)["model_config"]  # (ckpt.save records the config)
         fields = {k: v for k, v in config.items() if k in ModelConfig.__dataclass_fields__}
         model = Mamba3LM(ModelConfig(**fields))  # (a field this version dropped is passed over)
         return model.eval(), ckpt.load(run_dir, s, model)
@@ -297,19 +295,17 @@ def byte_tokenizer_json() -> str:
 def _tokenizer_files(spec, run_dir):
     # {name: bytes} so that AutoTokenizer loads the export as the run's tokenizer; none for GPT-2
     # (the Hub's "gpt2" has tiktoken's ids) or an unknown tokenizer
-    name, path = (spec or {}).get("name"), Path(run_dir) / (spec or {}).get("file", "")
-    if name == "file" and (not path.is_file() or
-                           spec.get("sha256") and data.sha256(path) != spec["sha256"]):
-        raise CheckpointError(f"{path}: missing, or not the tokenizer the run was trained with "
-                              "(its sha256 differs from the spec); copy it from the data directory")
+    name = (spec or {}).get("name")
     if name not in ("byte", "file"):
         return {}
+    data.load_tokenizer(spec, run_dir)  # refuses a file missing or not the spec's, as in sample.py
     # split_special_tokens: text that spells the EOS token stays text, as prepare.py encodes it
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
               "eos_token": data.EOS_TOKENS[0] if name == "byte" else spec.get("eos_token"),
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": byte_tokenizer_json().encode() if name == "byte" else
-            path.read_bytes(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+    blob = (byte_tokenizer_json().encode() if name == "byte" else
+            (Path(run_dir) / spec["file"]).read_bytes())
+    return {"tokenizer.json": blob, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 
 def usage(out, marker):
@@ -336,12 +332,8 @@ def export(run_dir, out_dir, step=None) -> Path:
         raise CheckpointError(f"{out} exists and is not an earlier export (it has no {MARKER}); "
                               "choose another OUT_DIR, or empty it yourself")
     model, meta, step = load_model(run_dir, step)
-    try:
-        config, state = official_config(model.config), official_state_dict(model.state_dict(),
-                                                                            model.config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{run_dir} step {step} cannot be exported to the official mamba_ssm "
-                              f"format: {e}") from None
+    config = official_config(model.config, f"{run_dir} step {step}")
+    state = official_state_dict(model.state_dict(), model.config, f"{run_dir} step {step}")
     spec = meta.get("tokenizer")
     marker = {"format": "mamba3-lite official-format export", "version": 1, "source": str(run_dir),
               "step": step, "model_config": dataclasses.asdict(model.config),

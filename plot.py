@@ -108,9 +108,6 @@ def main(
 ):
     """Plot train and validation loss, learning rate and tokens/s against tokens seen."""
     with cli_errors(PlotError):
-        if not out.parent.is_dir():
-            raise PlotError(f"--out {out}: expected a file in an existing directory, found no "
-                            f"directory {out.parent}")
         formats = FigureCanvasBase.get_supported_filetypes()
         if out.suffix[1:].lower() not in formats:
             raise PlotError(f"--out {out}: expected an image suffix "
@@ -121,7 +118,7 @@ def main(
         runs = {name: read_metrics(p) for name, p in zip(names, run_dirs)}
         try:
             plot(runs, out)
-        except OSError as e:  # a read-only place, a directory of that name, a full disk
+        except OSError as e:  # no such directory, a read-only one, one of that name, a full disk
             raise PlotError(f"--out {out}: could not write it ({e.strerror or e})") from None
     Console(highlight=False).print(f"wrote {out}", markup=False)
 

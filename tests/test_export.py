@@ -357,8 +357,7 @@ def test_tokenizer_files(tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert official.read_pretrained(out)[2] == spec
     (tmp_path / "run" / "tokenizer.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="tokenizer.json: missing, or not the tokenizer the run "
-                       "was trained with"):
+    with pytest.raises(data.DataError, match="tokenizer.json: expected sha256 .* found another file"):
         official.export(tmp_path / "run", tmp_path / "out")
 
     make_run(tmp_path / "gpt2", tokenizer={"name": "gpt2"})
