@@ -899,11 +899,13 @@ def fused_refusal(x):
     return None
 
 
-def _mixer_shapes(zxbcdt, B_bias, P, G, S, C, mimo=None):
-    """(B, L, H, P, G, N, S, C, R) once zxbcdt, the parameters and the kernels fit together."""
-    H, N = B_bias.shape[0], B_bias.shape[-1]
-    R = 1 if mimo is None else mimo[0].shape[1]
-    if mimo is not None and (R < 2 or R > 32 or R & (R - 1)):
+def _setup(zxbcdt, B_bias, sizes, mimo, reset):
+    """A launch's shapes (B, L, H, P, G, N, S, C, R), tiles, chunks, accumulator dtype, zxbcdt,
+    mimo vectors and reset, once the inputs and the kernels fit together (checked here, by the op
+    and its fake alike, so that eager calls and torch.compile traces refuse the same)."""
+    (P, G, S, C), H, N = sizes, B_bias.shape[0], B_bias.shape[-1]
+    R = 1 if mimo[0] is None else mimo[0].shape[1]
+    if mimo[0] is not None and (R < 2 or R > 32 or R & (R - 1)):
         raise ValueError(f"mixer: impl='triton' needs mimo_rank (--mimo-rank) 1 (SISO) or a power "
                          f"of 2 from 2 to 32 (a token's rows in a chunk); got {R}: use "
                          f"impl='torch' (MAMBA3_IMPL=torch) for other ranks")
@@ -913,22 +915,18 @@ def _mixer_shapes(zxbcdt, B_bias, P, G, S, C, mimo=None):
         raise ValueError(f"mixer: impl='triton' takes zxbcdt (B, L >= 1, 2HP + 2RGN + 3H + S = "
                          f"{width}) for H={H}, P={P}, R={R}, G={G}, N={N}, S={S} in float16, "
                          f"bfloat16, float32 or float64; got {tuple(zxbcdt.shape)} {zxbcdt.dtype}")
-    if not isinstance(C, int) or C * R < 16 or C & (C - 1) or H % G or N % 2 or 2 * S > N:
+    if C * R < 16 or C & (C - 1) or H % G or N % 2 or 2 * S > N:  # (the op's schema: C an int)
         raise ValueError(f"mixer: impl='triton' needs chunk_size a power of 2 with chunk_size x "
                          f"mimo_rank >= 16 (tl.dot's minimum), ngroups dividing the {H} heads, "
                          f"d_state even and n_angles <= d_state / 2; got chunk_size={C}, rank {R}, "
                          f"ngroups={G}, d_state={N}, n_angles={S}")
-    return zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R
-
-
-def _setup(zxbcdt, B_bias, sizes, mimo, reset):
-    """The shapes, tiles, chunks, accumulator dtype, zxbcdt, mimo vectors and reset of a launch."""
-    shapes = _mixer_shapes(zxbcdt, B_bias, *sizes, None if mimo[0] is None else mimo)
-    tiles = _mixer_tiles(shapes[7], shapes[3], shapes[5], zxbcdt.dtype, shapes[8])
-    nc = -(-shapes[1] // (tiles["C"] // tiles["R"]))  # a chunk of C rows holds C / R tokens
+    _check_reset(reset, *zxbcdt.shape[:2], "mixer")
+    tiles = _mixer_tiles(C, P, N, zxbcdt.dtype, R)
+    nc = -(-zxbcdt.shape[1] // (tiles["C"] // R))  # a chunk of C rows holds C / R tokens
     zx = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
     mimo = [None if m is None else m.contiguous() for m in mimo]
     reset = None if reset is None else reset.contiguous().view(torch.uint8)
+    shapes = (zxbcdt.shape[0], zxbcdt.shape[1], H, P, G, N, S, C, R)
     return shapes, tiles, nc, _compute_dtype(zxbcdt), zx, mimo, reset
 
 
@@ -1051,8 +1049,6 @@ def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, 
         raise RuntimeError(f"mixer: impl='triton' on CPU tensors runs only through Triton's "
                            f"interpreter: set TRITON_INTERPRET=1 before importing triton, or "
                            f"{torch_path}")
-    _mixer_shapes(zxbcdt, B_bias, headdim, ngroups, n_angles, chunk_size, mimo)
-    _check_reset(reset, *zxbcdt.shape[:2], "mixer")
     return _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D, reset,
                          headdim, ngroups, n_angles, chunk_size, float(A_floor), float(eps),
                          *(mimo or ()))[0]

@@ -235,7 +235,7 @@ class Mamba3LM(nn.Module):
 
     def resets(self, idx):
         """(B, L) bool: True after each reset_token (None without one). Position 0 is never marked:
-        a cached call after a reset_token starts from a cleared cache (_clear_after_reset)."""
+        a cached call after a reset_token starts from a cleared cache (prefill clears it)."""
         if self.config.reset_token is None:
             return None
         return F.pad(idx[:, :-1] == self.config.reset_token, (1, 0))
@@ -277,27 +277,22 @@ class Mamba3LM(nn.Module):
                      k_prev=p.new_zeros(k), x_prev=p.new_zeros(B, H, P))
                 for _ in range(cfg.n_layer)]
 
-    def _clear_after_reset(self, last, cache):
+    @torch.no_grad()
+    def prefill(self, idx, cache, impl="auto"):
+        """idx (B, L) through the chunked scan (or impl) from the cache's state, which moves on in
+        place -> the last logits (B, vocab_size)."""
+        logits = self.logits(self.hidden(idx, cache, impl)[:, -1])
         # a sequence whose last consumed token is reset_token goes on as a fresh document
         if self.config.reset_token is not None:
-            done = last == self.config.reset_token  # (B,)
+            done = idx[:, -1] == self.config.reset_token  # (B,)
             for layer in cache:
                 for t in layer.values():
                     t.masked_fill_(done.view(-1, *(1,) * (t.dim() - 1)), 0)
-
-    @torch.no_grad()
-    def prefill(self, idx, cache):
-        """idx (B, L) through the chunked scan from the cache's state -> the last logits (B, V)."""
-        logits = self.logits(self.hidden(idx, cache)[:, -1])
-        self._clear_after_reset(idx[:, -1], cache)
         return logits
 
-    @torch.no_grad()
     def step(self, tokens, cache):
         """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence, in place."""
-        logits = self.logits(self.hidden(tokens[:, None], cache, impl="recurrent")[:, -1])
-        self._clear_after_reset(tokens, cache)
-        return logits
+        return self.prefill(tokens[:, None], cache, impl="recurrent")
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
