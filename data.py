@@ -41,14 +41,16 @@ MANIFEST_VERSION = 1
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
 _OBJECT = ("an object", lambda v: isinstance(v, dict))
+_NAME = lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""  # noqa: E731 (in DIR)
+_TOKENIZER = ('an object, naming its "file" if its "name" is "file"',
+              lambda v: isinstance(v, dict) and (v.get("name") != "file" or _NAME(v.get("file"))))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
                    "vocab_size": ("a whole number >= 1", lambda v: type(v) is int and v >= 1),
-                   "eos_id": _COUNT, "tokenizer": _OBJECT, "splits": _OBJECT}
+                   "eos_id": _COUNT, "tokenizer": _TOKENIZER, "splits": _OBJECT}
 _TOTALS = {"tokens": sum, "documents": sum, "max_token_id": max}  # a split's, of its shards'
 SPLIT_FIELDS = {**dict.fromkeys(_TOTALS, _COUNT), "shards": ("a list", lambda v: type(v) is list)}
-SHARD_FIELDS = {"file": ("a file name", lambda v: isinstance(v, str) and "/" not in v
-                         and v.strip(".") != ""),  # a name inside the directory, no path
-                **dict.fromkeys(_TOTALS, _COUNT), "sha256": ("a string", lambda v: type(v) is str)}
+SHARD_FIELDS = {"file": ("a file name", _NAME), **dict.fromkeys(_TOTALS, _COUNT),
+                "sha256": ("a string", lambda v: type(v) is str)}
 
 
 def split_totals(shards) -> dict:
