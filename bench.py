@@ -675,7 +675,7 @@ def gpu(
         gpu_train(child, deadline, out)
         done("training run")
     # the launch config each kernel's tuner chose in this process, by kernel and shape
-    out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K._TUNED.items()]
+    out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K.TUNED.items()]
     if json_path:
         json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     failed = f"; FAILED: {', '.join(out['failed'])}" if out["failed"] else ""

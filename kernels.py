@@ -833,13 +833,13 @@ def _mixer_tiles(chunk_size, P, N, dtype, R=1):
 # What each kernel's tuner times besides its default, by compute capability major: options that
 # leave every result bit (stages and a register cap never change the arithmetic; warps may split
 # tl.sum differently), of those that fit (tools/gpu_evidence.py compile --configs candidates).
-_TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
+TUNE = {("_mixer_fwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 9): [{"num_stages": 2}],
          ("_mixer_bwd", 8): [{"num_stages": 2}],
          ("_sum_heads", 8): [{"num_warps": 8}, {"num_stages": 1}],
          ("_sum_heads", 9): [{"num_warps": 8}, {"num_stages": 1}]}
 
 
-def _launch_configs(kernel, major, tiles):
+def launch_configs(kernel, major, tiles):
     """The launch options kernel's tuner times on compute capability major.x (0: the interpreter),
     the default first. Registers limit the mixer kernels: 8 warps for wide tiles, no early loads;
     the sm_8x backward spills less at 255 registers, 4 warps for 64-row chunks (gpu_evidence.py)."""
@@ -850,10 +850,10 @@ def _launch_configs(kernel, major, tiles):
         base = {"num_warps": 8 if C * wide >= 32 * 128 else 4, "num_stages": 1}
         if kernel == "_mixer_bwd" and major == 8 and base["num_warps"] == 8:
             base |= {"num_warps": 4 if C >= 64 else 8, "maxnreg": 255}
-    return [base] + [base | extra for extra in _TUNE.get((kernel, major), [])]
+    return [base] + [base | extra for extra in TUNE.get((kernel, major), [])]
 
 
-_TUNED = {}  # (kernel, device, constexprs) -> the launch options that ran it fastest there
+TUNED = {}  # (kernel, device, constexprs) -> the launch options that ran it fastest there
 
 
 def _time(launch):
@@ -864,15 +864,15 @@ def _time(launch):
 
 
 def _tuned(kernel, grid, *args, **constexprs):
-    """kernel[grid](*args) in the fastest of its _launch_configs, timed at a shape's first launch
+    """kernel[grid](*args) in the fastest of its launch_configs, timed at a shape's first launch
     on each device, on its own arguments (the kernels only store: timing leaves one run's)."""
     major = torch.cuda.get_device_capability(args[0].device)[0] if args[0].is_cuda else 0
-    configs = _launch_configs(kernel.fn.__name__, major, constexprs)
+    configs = launch_configs(kernel.fn.__name__, major, constexprs)
     key = (kernel.fn.__name__, str(args[0].device), tuple(constexprs.items()))
-    if len(configs) > 1 and key not in _TUNED:
-        _TUNED[key] = min(configs, key=lambda options: _time(
+    if len(configs) > 1 and key not in TUNED:
+        TUNED[key] = min(configs, key=lambda options: _time(
             lambda: kernel[grid](*args, **constexprs, **options)))
-    kernel[grid](*args, **constexprs, **_TUNED.get(key, configs[0]))
+    kernel[grid](*args, **constexprs, **TUNED.get(key, configs[0]))
 
 
 # The most shared memory (KiB) a backward block asks over Triton 3.6-3.9 and sm_80-sm_90 (float32:

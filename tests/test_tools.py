@@ -63,7 +63,7 @@ def test_compile_configs_are_kernels_pys_and_the_candidates_once_each():
     import kernels as K
 
     tiles = K._mixer_tiles(64, 64, 128, torch.bfloat16)
-    default, *tuned = K._launch_configs("_mixer_bwd", 8, tiles)
+    default, *tuned = K.launch_configs("_mixer_bwd", 8, tiles)
     assert G.launch_configs("_mixer_bwd", 8, tiles, "default") == [("default", default)]
     assert G.launch_configs("_mixer_bwd", 8, tiles, "tuned") == [("default", default)] + [("tuned", o) for o in tuned]
     # the sm_8x backward's default has maxnreg 255 already: that candidate is the default itself
@@ -75,7 +75,7 @@ def test_compile_configs_are_kernels_pys_and_the_candidates_once_each():
 
 
 def test_a_config_fits_by_its_spills_and_shared_memory_and_the_table_checks_kernels_py(monkeypatch):
-    monkeypatch.setattr(G.K, "_TUNE", {("_mixer_bwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 8): [{"num_stages": 2}]})
+    monkeypatch.setattr(G.K, "TUNE", {("_mixer_bwd", 9): [{"num_stages": 2}], ("_mixer_bwd", 8): [{"num_stages": 2}]})
     row = lambda tune, options, spills, shared, arch=90, launch=0: dict(  # noqa: E731
         kernel="_mixer_bwd", triton="3.9.0", launch=launch, arch=arch, tune=tune, options=options,
         spill_stores=spills, shared=shared * 1024)

@@ -164,7 +164,7 @@ def test_every_launch_config_gives_the_same_bits(monkeypatch):
     # each config the tuner may pick on a GPU of compute capability 8.x or 9.x, forced on every kernel in turn:
     # the same bits as the default (under the interpreter, which takes the default alone and times nothing)
     zx, params, reset, sizes = tiny_bf16_case()
-    configs, tiles = kernels._launch_configs, kernels._mixer_tiles(16, 16, 16, torch.bfloat16)
+    configs, tiles = kernels.launch_configs, kernels._mixer_tiles(16, 16, 16, torch.bfloat16)
     assert all(len(configs(k, 0, tiles)) == 1 for k in TUNED)
     ref = run_mixer(kernels.mixer_triton, zx, params, reset, sizes)
     for major in (8, 9):
@@ -174,11 +174,11 @@ def test_every_launch_config_gives_the_same_bits(monkeypatch):
                 options = configs(kernel, major, tiles)
                 return [options[min(i, len(options) - 1)]]
 
-            monkeypatch.setattr(kernels, "_launch_configs", ith)
+            monkeypatch.setattr(kernels, "launch_configs", ith)
             out = run_mixer(kernels.mixer_triton, zx, params, reset, sizes)
             for name, a, r in zip(MIXER_NAMES, out, ref):
                 assert torch.equal(a, r), (major, i, name)
-    assert kernels._TUNED == {}
+    assert kernels.TUNED == {}
 
 
 @interpreter
@@ -195,16 +195,16 @@ def test_the_tuner_times_each_config_once_and_its_runs_leave_one_runs_result(mon
         timed.append(launch)
         return 2.0 if len(timed) % 2 else 1.0
 
-    monkeypatch.setattr(kernels, "_launch_configs", lambda *args: two)
+    monkeypatch.setattr(kernels, "launch_configs", lambda *args: two)
     monkeypatch.setattr(kernels, "_time", time_it)
-    monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.setattr(kernels, "TUNED", {})
     for _ in range(2):
         out = run_mixer(kernels.mixer_triton, zx, params, reset, sizes)
         for name, a, r in zip(MIXER_NAMES, out, ref):
             assert torch.equal(a, r), name
     assert len(timed) == 2 * len(TUNED)
-    assert sorted(key[0] for key in kernels._TUNED) == sorted(TUNED)
-    assert all(options == two[1] for options in kernels._TUNED.values())
+    assert sorted(key[0] for key in kernels.TUNED) == sorted(TUNED)
+    assert all(options == two[1] for options in kernels.TUNED.values())
 
 
 def test_mixer_bad_input_is_a_clear_error():
@@ -312,7 +312,7 @@ def test_clear_errors_without_triton_or_interpreter(monkeypatch):
 # Compiles the kernels for sm_90 as kernels.py launches them, one configuration at a time: bf16 at the 440m layer's
 # sizes (H 32, P 64, N 128, C 64); bf16 with resets, two groups and the 180m preset's 24 heads (an in_proj row of
 # 3,688 elements, not a multiple of 16, so no stride specialization); float32 (tf32 products, chunks of 32); bf16
-# and _sum_heads also in every other launch config the tuner times on sm_90 (kernels._TUNE). No GPU is needed: Triton lowers to PTX and runs ptxas on the CPU. It catches what the interpreter lets through
+# and _sum_heads also in every other launch config the tuner times on sm_90 (kernels.TUNE). No GPU is needed: Triton lowers to PTX and runs ptxas on the CPU. It catches what the interpreter lets through
 # (loop-carried dtype changes, non-constexpr shapes, ops a GPU lacks); the kernels with matmuls must use wgmma, and
 # their spills and shared memory stay within the offline figures. Integer arguments and pointers are specialised
 # as at launch time (multiples of 16 are marked so, which lets loads vectorise).
@@ -340,7 +340,7 @@ for name, dtype, H, G, reset, R in json.loads(sys.argv[1]):
         launches += [(K._sum_heads, dict(H=H, G=G, P=P, N=N, S=S, TB=32, NB=N, SB=S, ACC=tl.float32))]
     # every config the tuner has on sm_90 for bf16 and _sum_heads; elsewhere its first, the default
     launches = [(fn, constexprs, tuned, options) for fn, constexprs in launches
-                for tuned, options in enumerate(K._launch_configs(fn.__name__, 9, tiles))
+                for tuned, options in enumerate(K.launch_configs(fn.__name__, 9, tiles))
                 if not tuned or name == "bf16" or fn is K._sum_heads]
     for fn, constexprs, tuned, options in launches:
         sig, attrs = {}, {}
@@ -403,7 +403,7 @@ def test_kernels_compile_for_sm90_in_every_configuration():
     for r in rows:  # every kernel with a tl.dot uses wgmma (_sum_heads has none); sm_86/sm_89 give a block 99 KB
         assert r["wgmma"] == (r["kernel"] != "_sum_heads") and r["shared"] <= 99 * 1024, r
         limit = SPILLS[r["config"]][r["kernel"]] if r["config"] in SPILLS else spills["bf16", r["kernel"]]
-        if r["tuned"]:  # no other config spills more than a quarter above its default (kernels._TUNE)
+        if r["tuned"]:  # no other config spills more than a quarter above its default (kernels.TUNE)
             limit = 1.25 * spills[r["config"], r["kernel"]] + 64
         assert r["spills"] <= limit, r
 

@@ -526,7 +526,7 @@ def compile_one(launch: dict, arch: int) -> tuple:
 
 
 # launch options that `compile --configs candidates` tries on top of each of our kernels' default,
-# beside kernels._TUNE's: none changes a result bit (kernels._TUNE says why); fits() says which fit
+# beside kernels.TUNE's: none changes a result bit (kernels.TUNE says why); fits() says which fit
 CANDIDATES = {"_mixer_fwd": [{"num_stages": 2}], "_mixer_bwd": [{"num_stages": 2}, {"maxnreg": 255}],
               "_sum_heads": [{"num_warps": 2}, {"num_warps": 8}, {"num_stages": 1}]}
 Configs = enum.Enum("Configs", {n: n for n in ("default", "tuned", "candidates")}, type=str)
@@ -538,7 +538,7 @@ def launch_configs(kernel: str, major: int, constexprs: dict, configs: str) -> l
     "candidates", CANDIDATES's that it does not ("candidate"). [] for a kernel not ours."""
     if kernel not in CANDIDATES:
         return []
-    default, *tuned = K._launch_configs(kernel, major, constexprs)
+    default, *tuned = K.launch_configs(kernel, major, constexprs)
     out = [("default", default)] + ([("tuned", o) for o in tuned] if configs != "default" else [])
     if configs == "candidates":
         out += [("candidate", default | extra) for extra in CANDIDATES[kernel]]
@@ -664,7 +664,7 @@ SHARED_KIB = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 120: 99}
 
 
 def fits(row: dict, default: dict) -> bool:
-    """Whether a config's binary may join kernels._TUNE: shared memory within what a block may have
+    """Whether a config's binary may join kernels.TUNE: shared memory within what a block may have
     on its arch (sm_89: 99 KiB) or the default's, and at most a quarter more spill bytes (+64)."""
     return (row["shared"] <= max(default["shared"], SHARED_KIB[row["arch"]] * 1024)
             and row["spill_stores"] <= 1.25 * default["spill_stores"] + 64)
@@ -674,7 +674,7 @@ def tune_table(rows: list) -> list:
     """compile_launches' rows of our kernels' other configs, per kernel, compute capability major
     and launch options beyond the default: the worst spill stores (furthest above a quarter more)
     and shared memory against the default's over every Triton, arch and config compiled, whether that fits everywhere, and
-    whether kernels._TUNE has it (it should, exactly when it fits)."""
+    whether kernels.TUNE has it (it should, exactly when it fits)."""
     ok = [r for r in rows if "error" not in r and r.get("tune")]
     default = {(r["triton"], r["launch"], r["arch"]): r for r in ok if r["tune"] == "default"}
     worst = {}
@@ -690,7 +690,7 @@ def tune_table(rows: list) -> list:
         w["shared"] = max(w["shared"], (r["shared"] // 1024, d["shared"] // 1024))
     table = []
     for (kernel, major, extra), w in sorted(worst.items()):
-        kept = json.loads(extra) in K._TUNE.get((kernel, major), [])
+        kept = json.loads(extra) in K.TUNE.get((kernel, major), [])
         cell = "yes" if kept else "no"
         if kept and not w["fits"]:  # the evidence and kernels.py disagree
             cell = f"[red]{cell}[/red]"
@@ -804,7 +804,7 @@ def compile_(
         print_table("our kernels' other launch configs against their default, the worst over every "
                     "binary above", ["kernel", "GPU", "options", "binaries",
                                      "spill stores (default)", "shared KiB (default)", "fits",
-                                     "in kernels._TUNE"],
+                                     "in kernels.TUNE"],
                     tune_table(rows))
     if json_path:
         json_path.write_text(json.dumps(rows, indent=1) + "\n")
