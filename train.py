@@ -277,14 +277,14 @@ def max_abs_weight(model):
 class NanGuard:
     """A step with a non-finite loss or gradient norm skips its update; `limit` in a row (0: never)
     restore the newest checkpoint while the data moves on (the poison is not replayed). Nothing is
-    saved in a streak, nor weights beyond `explode` (max |w|): those roll back at once. Restored to
-    one step MAX_ROLLBACKS times with no save between, the run stops."""
+    saved in a streak, nor weights beyond `explode` (max |w|): those roll back at once. Rolled back
+    MAX_ROLLBACKS times with no save between (each time to the newest step: the same), it stops."""
     limit: int
     explode: float
     out: Path  # where the checkpoints are
     streak: int = 0  # non-finite steps in a row
     skipped: int = 0  # non-finite steps in all (in the checkpoints' meta)
-    restored: list = dataclasses.field(default_factory=list)  # steps restored since a save
+    rollbacks: int = 0  # since the last save
 
     def finite(self, loss, norm, step, log):  # counts a step; whether it may update
         if math.isfinite(loss) and math.isfinite(norm):
@@ -305,7 +305,7 @@ class NanGuard:
         if (top := max_abs_weight(model)) > self.explode:
             self.streak = max(1, self.limit)  # a rollback now (--nan-guard 0: the run ends unsaved)
             return f"the weights have exploded (max |w| {top:.3g})"
-        self.restored = []  # a clean save point: rollbacks count afresh
+        self.rollbacks = 0  # a clean save point: rollbacks count afresh
 
     def roll_back(self, model, optimizer, step, log):
         if (restored := ckpt.load_latest(self.out, model, optimizer)[0]) is None:
@@ -314,8 +314,8 @@ class NanGuard:
         log(f"[yellow]step {step}: {self.streak} bad steps in a row, restored the weights of step "
             f"{restored}; the data continues from step {step}[/yellow]", kind="event",
             event="rollback", step=step, restored=restored)
-        self.streak, self.restored = 0, self.restored + [restored]
-        if self.restored[-MAX_ROLLBACKS:] == [restored] * MAX_ROLLBACKS:
+        self.streak, self.rollbacks = 0, self.rollbacks + 1
+        if self.rollbacks == MAX_ROLLBACKS:
             raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row, bad "
                              f"again each time (last at step {step}); lower --lr or check the data")
 
