@@ -337,9 +337,8 @@ class Log:
         # a progress bar on terminals only: not in log files
         self.progress = Progress(console=self.console, transient=True, disable=rank != 0 or not tty)
 
-    def __call__(self, line=None, **record):
-        if line is not None:
-            self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
+    def __call__(self, line, **record):
+        self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
         if record and self.path is not None:
             write(self.path, json.dumps(record) + "\n", append=True)
         if record and self.wandb is not None:
