@@ -247,17 +247,15 @@ def train_step(model, batches, autocast, world, signals):
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg, autocast, rank, world):
-    """Mean loss over the fixed validation windows (the same at every eval), over all ranks."""
+def evaluate(model, val, layout, num_batches, autocast):
+    """Mean loss over the fixed validation windows (the same at every eval), over all ranks:
+    `layout` is the training's BatchConfig (its seq_len, micro-batch, rank, world size, device)."""
     model.eval()
-    device = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
-    layout = data.BatchConfig(cfg.seq_len, cfg.batch_size, rank=rank, world_size=world,
-                              device=device)
-    for x, y in data.val_batches(val, layout, cfg.eval_batches):
+    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in data.val_batches(val, layout, num_batches):  # (sums: token losses, tokens)
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
         total[1] += y.numel()
-    if world > 1:
+    if layout.world_size > 1:
         dist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()
@@ -621,7 +619,7 @@ def run(cfg, init, tmp, cleanup):
             good, logged, t_log = [], step, time.time()
         t_pause = time.time()  # eval and save are kept out of the tok/s figures
         if val is not None and (last_step or step % cfg.eval_every == 0):
-            val_loss = evaluate(model, val, cfg, autocast, rank, world)
+            val_loss = evaluate(model, val, batches.cfg, cfg.eval_batches, autocast)
             log.metrics("eval", step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
         if last_step or stopping or step % cfg.save_every == 0:
             if why := guard.poison(raw_model):  # poison is never saved
