@@ -590,10 +590,11 @@ def run(cfg, init, tmp, cleanup):
     for s in (signal.SIGTERM, signal.SIGINT):
         old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
         cleanup.callback(signal.signal, s, old)
-    good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
+    good, seconds = [], []  # since the last log line: good steps' (loss, norm), every step's time
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
     while step < cfg.max_steps and not stopping:
         if not guard.due():  # one optimizer step: accumulate, clip, update unless non-finite
+            t0 = time.time()  # (the tok/s figures time the steps alone: not eval, save, rollback)
             for group in optimizer.param_groups:  # the schedule is a function of the step alone,
                 group["lr"] = lr_at(step, cfg)  # so a resumed run follows it without its own state
             loss, stopping = train_step(model, batches, autocast, world, stop)
@@ -603,21 +604,21 @@ def run(cfg, init, tmp, cleanup):
                 optimizer.step()
                 good.append((loss, norm))
             optimizer.zero_grad(set_to_none=True)
+            seconds.append(time.time() - t0)
             step += 1
         if guard.due():  # back to the newest checkpoint; the data cursor keeps moving
             guard.roll_back(raw_model, optimizer, step, log)
         last_step = step == cfg.max_steps  # the final log, eval and save happen in the loop
         log.progress.update(bar, completed=step)
-        if step > logged and (step % cfg.log_every == 0 or last_step):
+        if seconds and (step % cfg.log_every == 0 or last_step):
             # the good steps' mean loss and gradient norm (NaN after skipped steps only), the speed
             loss, norm = (sum(v) / len(good) for v in zip(*good)) if good else (math.nan, math.nan)
-            tok_per_s = (step - logged) * cfg.total_batch_size / (dt := time.time() - t_log)
+            tok_per_s = len(seconds) * cfg.total_batch_size / sum(seconds)
             mfu = raw_model.flops_per_token(cfg.seq_len) * tok_per_s / peak if peak else None
             log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm,
                         lr=lr_at(step - 1, cfg), tok_per_s=tok_per_s, mfu=mfu,
-                        ms_per_step=1000 * dt / (step - logged))
-            good, logged, t_log = [], step, time.time()
-        t_pause = time.time()  # eval and save are kept out of the tok/s figures
+                        ms_per_step=1000 * sum(seconds) / len(seconds))
+            good, seconds = [], []
         if val is not None and (last_step or step % cfg.eval_every == 0):
             val_loss = evaluate(model, val, batches.cfg, cfg.eval_batches, autocast)
             log.metrics("eval", step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
@@ -630,7 +631,6 @@ def run(cfg, init, tmp, cleanup):
                     skipped_steps=guard.skipped, data=batches.state_dict(), wandb_run_id=run_id,
                     data_identity=data_identity(batches), tokenizer=batches.sources[0].tokenizer,
                     wall_time=time.time() - t_start))
-        t_log += time.time() - t_pause
     if guard.streak:
         raise TrainError(f"the run ended at step {step} in a streak of bad steps, not saved; "
                          f"resume from the newest checkpoint in {cfg.out_dir} with a lower --lr")
