@@ -247,17 +247,15 @@ def train_step(model, batches, autocast, world, signals):
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg, autocast, rank, world):
-    """Mean loss over the fixed validation windows (the same at every eval), over all ranks."""
+def evaluate(model, val, layout, num_batches, autocast):
+    """Mean loss over the fixed validation windows (the same at every eval), over all ranks:
+    `layout` is the training's BatchConfig (its seq_len, micro-batch, rank, world size, device)."""
     model.eval()
-    device = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, tokens
-    layout = data.BatchConfig(cfg.seq_len, cfg.batch_size, rank=rank, world_size=world,
-                              device=device)
-    for x, y in data.val_batches(val, layout, cfg.eval_batches):
+    total = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for x, y in data.val_batches(val, layout, num_batches):  # (sums: token losses, tokens)
         total[0] += micro_step(model, x, y, autocast).double() * y.numel()
         total[1] += y.numel()
-    if world > 1:
+    if layout.world_size > 1:
         dist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()
@@ -277,14 +275,14 @@ def max_abs_weight(model):
 class NanGuard:
     """A step with a non-finite loss or gradient norm skips its update; `limit` in a row (0: never)
     restore the newest checkpoint while the data moves on (the poison is not replayed). Nothing is
-    saved in a streak, nor weights beyond `explode` (max |w|): those roll back at once. Restored to
-    one step MAX_ROLLBACKS times with no save between, the run stops."""
+    saved in a streak, nor weights beyond `explode` (max |w|): those roll back at once. Rolled back
+    MAX_ROLLBACKS times with no save between (each time to the newest step: the same), it stops."""
     limit: int
     explode: float
     out: Path  # where the checkpoints are
     streak: int = 0  # non-finite steps in a row
     skipped: int = 0  # non-finite steps in all (in the checkpoints' meta)
-    restored: list = dataclasses.field(default_factory=list)  # steps restored since a save
+    rollbacks: int = 0  # since the last save
 
     def finite(self, loss, norm, step, log):  # counts a step; whether it may update
         if math.isfinite(loss) and math.isfinite(norm):
@@ -305,7 +303,7 @@ class NanGuard:
         if (top := max_abs_weight(model)) > self.explode:
             self.streak = max(1, self.limit)  # a rollback now (--nan-guard 0: the run ends unsaved)
             return f"the weights have exploded (max |w| {top:.3g})"
-        self.restored = []  # a clean save point: rollbacks count afresh
+        self.rollbacks = 0  # a clean save point: rollbacks count afresh
 
     def roll_back(self, model, optimizer, step, log):
         if (restored := ckpt.load_latest(self.out, model, optimizer)[0]) is None:
@@ -314,8 +312,8 @@ class NanGuard:
         log(f"[yellow]step {step}: {self.streak} bad steps in a row, restored the weights of step "
             f"{restored}; the data continues from step {step}[/yellow]", kind="event",
             event="rollback", step=step, restored=restored)
-        self.streak, self.restored = 0, self.restored + [restored]
-        if self.restored[-MAX_ROLLBACKS:] == [restored] * MAX_ROLLBACKS:
+        self.streak, self.rollbacks = 0, self.rollbacks + 1
+        if self.rollbacks == MAX_ROLLBACKS:
             raise TrainError(f"rolled back to step {restored} {MAX_ROLLBACKS} times in a row, bad "
                              f"again each time (last at step {step}); lower --lr or check the data")
 
@@ -337,9 +335,8 @@ class Log:
         # a progress bar on terminals only: not in log files
         self.progress = Progress(console=self.console, transient=True, disable=rank != 0 or not tty)
 
-    def __call__(self, line=None, **record):
-        if line is not None:
-            self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
+    def __call__(self, line, **record):
+        self.console.print(line)  # rich flushes: lines reach a log file or pipe as they happen
         if record and self.path is not None:
             write(self.path, json.dumps(record) + "\n", append=True)
         if record and self.wandb is not None:
@@ -593,10 +590,11 @@ def run(cfg, init, tmp, cleanup):
     for s in (signal.SIGTERM, signal.SIGINT):
         old = signal.signal(s, lambda sig, frame: stop.append(signal.Signals(sig).name))
         cleanup.callback(signal.signal, s, old)
-    good, logged, t_log = [], step, time.time()  # the good steps' (loss, norm) since step `logged`
+    good, seconds = [], []  # since the last log line: good steps' (loss, norm), every step's time
     t_start = time.time() - meta.get("wall_time", 0.0)  # as if the run had never stopped
     while step < cfg.max_steps and not stopping:
         if not guard.due():  # one optimizer step: accumulate, clip, update unless non-finite
+            t0 = time.time()  # (the tok/s figures time the steps alone: not eval, save, rollback)
             for group in optimizer.param_groups:  # the schedule is a function of the step alone,
                 group["lr"] = lr_at(step, cfg)  # so a resumed run follows it without its own state
             loss, stopping = train_step(model, batches, autocast, world, stop)
@@ -606,23 +604,23 @@ def run(cfg, init, tmp, cleanup):
                 optimizer.step()
                 good.append((loss, norm))
             optimizer.zero_grad(set_to_none=True)
+            seconds.append(time.time() - t0)
             step += 1
         if guard.due():  # back to the newest checkpoint; the data cursor keeps moving
             guard.roll_back(raw_model, optimizer, step, log)
         last_step = step == cfg.max_steps  # the final log, eval and save happen in the loop
         log.progress.update(bar, completed=step)
-        if step > logged and (step % cfg.log_every == 0 or last_step):
+        if seconds and (step % cfg.log_every == 0 or last_step):
             # the good steps' mean loss and gradient norm (NaN after skipped steps only), the speed
             loss, norm = (sum(v) / len(good) for v in zip(*good)) if good else (math.nan, math.nan)
-            tok_per_s = (step - logged) * cfg.total_batch_size / (dt := time.time() - t_log)
+            tok_per_s = len(seconds) * cfg.total_batch_size / sum(seconds)
             mfu = raw_model.flops_per_token(cfg.seq_len) * tok_per_s / peak if peak else None
             log.metrics("train", step, loss=loss, ppl=math.exp(min(loss, 50)), grad_norm=norm,
                         lr=lr_at(step - 1, cfg), tok_per_s=tok_per_s, mfu=mfu,
-                        ms_per_step=1000 * dt / (step - logged))
-            good, logged, t_log = [], step, time.time()
-        t_pause = time.time()  # eval and save are kept out of the tok/s figures
+                        ms_per_step=1000 * sum(seconds) / len(seconds))
+            good, seconds = [], []
         if val is not None and (last_step or step % cfg.eval_every == 0):
-            val_loss = evaluate(model, val, cfg, autocast, rank, world)
+            val_loss = evaluate(model, val, batches.cfg, cfg.eval_batches, autocast)
             log.metrics("eval", step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
         if last_step or stopping or step % cfg.save_every == 0:
             if why := guard.poison(raw_model):  # poison is never saved
@@ -633,7 +631,6 @@ def run(cfg, init, tmp, cleanup):
                     skipped_steps=guard.skipped, data=batches.state_dict(), wandb_run_id=run_id,
                     data_identity=data_identity(batches), tokenizer=batches.sources[0].tokenizer,
                     wall_time=time.time() - t_start))
-        t_log += time.time() - t_pause
     if guard.streak:
         raise TrainError(f"the run ended at step {step} in a streak of bad steps, not saved; "
                          f"resume from the newest checkpoint in {cfg.out_dir} with a lower --lr")
