@@ -527,6 +527,20 @@ def test_init_from_its_own_out_dir_is_refused(run3, corpus, tmp_path, same):
     assert fingerprint(out) == before and (out / "metrics.jsonl").read_text() == metrics
 
 
+def test_resets_without_an_eos_id_and_another_tokenizer_than_init_froms_are_refused(run3, corpus, tmp_path):
+    raw = tmp_path / "raw.bin"  # a raw token file records no EOS id
+    (np.arange(20000) % 257).astype(np.uint16).tofile(raw)
+    text = run("--data", raw, *BASE, "--max-steps", 2, "--reset-at-eos", "--out-dir", tmp_path / "a", expect=2)
+    assert f"--reset-at-eos needs data that records its EOS id (a prepare.py directory); {raw} does not" in text
+    other = tmp_path / "gpt2-corpus"  # the same ids, said to be GPT-2's: they would mean other text
+    shutil.copytree(corpus, other)
+    m = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**m, "tokenizer": {"name": "gpt2"}}))
+    text = run("--data", other, *BASE, "--max-steps", 2, "--init-from", run3, "--out-dir", tmp_path / "b", expect=2)
+    assert f"--init-from {run3} has the byte tokenizer, the data gpt2" in " ".join(text.split())
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("under", [False, True])
 def test_an_out_dir_that_is_a_file_is_called_a_file(corpus, tmp_path, under):
     (tmp_path / "notes").write_text("mine")
