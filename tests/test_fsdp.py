@@ -20,9 +20,11 @@ import torch.distributed as dist
 import ckpt
 import train
 from model import Mamba3LM, ModelConfig
-from test_train import BASE, assert_same_weights, corpus, losses, records, run, weights  # noqa: F401
+from test_train import (BASE, assert_same_weights, corpus, losses, records, run,  # noqa: F401
+                        weights)
 
-# 8 sequences of 32 tokens per step: 2 micro-steps of 2 sequences on each of 2 ranks, 4 in one process
+# 8 sequences of 32 tokens per step: 2 micro-steps of 2 sequences on each of 2 ranks,
+# 4 in one process
 ARGS = [*BASE, "--batch-size", "2", "--max-steps", "20", "--save-every", "5"]
 
 
@@ -40,7 +42,8 @@ def _rank(rank, port, args, log, fault):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    sys.stdout = sys.stderr = open(log, "w", buffering=1)  # (not pytest's capture, which is the parent's)
+    # (not pytest's capture, which is the parent's)
+    sys.stdout = sys.stderr = open(log, "w", buffering=1)
     os.dup2(sys.stdout.fileno(), 1)
     os.dup2(sys.stdout.fileno(), 2)
     if fault is not None:
@@ -53,9 +56,10 @@ def launch(corpus, out, *extra, fault=None, codes=(0, 0)):
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args, logs = ["--data", corpus, *ARGS, *extra, "--out-dir", out], [f"{out}.{r}.log" for r in (0, 1)]
-    ranks = [multiprocessing.get_context("fork").Process(target=_rank, args=(r, port, args, logs[r], fault))
-             for r in (0, 1)]
+    args, logs = (["--data", corpus, *ARGS, *extra, "--out-dir", out],
+                  [f"{out}.{r}.log" for r in (0, 1)])
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_rank, args=(r, port, args, logs[r], fault)) for r in (0, 1)]
     for p in ranks:
         p.start()
     deadline = time.time() + 90
@@ -65,10 +69,11 @@ def launch(corpus, out, *extra, fault=None, codes=(0, 0)):
                 p.kill()
         multiprocessing.connection.wait([p.sentinel for p in ranks], timeout=1)
     output = open(logs[0]).read()
-    # (a code of a set: either; rank 0 may see its peer die and stop in one paragraph before it is killed)
+    # (a code of a set: either; rank 0 may see its peer die and stop in one paragraph
+    # before it is killed)
     found = tuple(p.exitcode for p in ranks)
-    assert all(c in want if isinstance(want, set) else c == want for c, want in zip(found, codes)), \
-        (found, output + open(logs[1]).read())
+    assert all(c in want if isinstance(want, set) else c == want
+               for c, want in zip(found, codes)), (found, output + open(logs[1]).read())
     return output
 
 
@@ -84,7 +89,8 @@ def branch(src, dst, step):
 def assert_close(a, b, tol=1e-5):
     assert a.keys() == b.keys()
     for k in a:
-        assert abs(a[k] - b[k]) < tol if isinstance(a[k], float) else (a[k] - b[k]).abs().max() < tol, k
+        assert (abs(a[k] - b[k]) < tol if isinstance(a[k], float)
+                else (a[k] - b[k]).abs().max() < tol), k
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +119,14 @@ def test_an_fsdp_checkpoint_is_any_checkpoint(runs):
     optimizer = torch.optim.AdamW(model.param_groups(0.1))
     ckpt.load(fsdp, 20, model, optimizer)
     assert_same_weights(weights(fsdp, 20), model.state_dict())
-    # the optimizer file is keyed as DDP's is: by number, in the optimizer's order, the tied tensor once
-    ours, theirs = (torch.load(d / "optim_step_20.pt", weights_only=True)["optimizer"] for d in runs)
-    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
-    assert ours["state"].keys() == theirs["state"].keys() == set(range(len(list(model.parameters()))))
+    # the optimizer file is keyed as DDP's is: by number, in the optimizer's order,
+    # the tied tensor once
+    ours, theirs = (torch.load(d / "optim_step_20.pt", weights_only=True)["optimizer"]
+                    for d in runs)
+    assert ([g["params"] for g in ours["param_groups"]]
+            == [g["params"] for g in theirs["param_groups"]])
+    assert (ours["state"].keys() == theirs["state"].keys()
+            == set(range(len(list(model.parameters())))))
     for i, state in ours["state"].items():
         assert_close(state, theirs["state"][i])
 
@@ -135,7 +145,8 @@ def _sigterm_in_step_12(rank):
 
 
 def _die_in_the_second_save(rank):
-    """Rank 1 is killed in the optimizer's gather of the run's 2nd save; rank 0, waiting in it, too."""
+    """Rank 1 is killed in the optimizer's gather of the run's 2nd save; rank 0, waiting
+    in it, too."""
     real, calls = ckpt.dcp.get_optimizer_state_dict, []
 
     def gather(*args, **kwargs):
@@ -147,11 +158,14 @@ def _die_in_the_second_save(rank):
     ckpt.dcp.get_optimizer_state_dict = gather
 
 
-def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identically(runs, corpus, tmp_path):
+def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identically(
+        runs, corpus, tmp_path):
     out = tmp_path / "run"
-    assert "stopped by a signal on another rank at step 13" in launch(corpus, out, "--fsdp", fault=_sigterm_in_step_12)
+    assert "stopped by a signal on another rank at step 13" in launch(
+        corpus, out, "--fsdp", fault=_sigterm_in_step_12)
     assert ckpt.list_steps(out) == [5, 10, 13]
-    output = launch(corpus, out, "--fsdp", fault=_die_in_the_second_save, codes=({2, -signal.SIGKILL}, -signal.SIGKILL))
+    output = launch(corpus, out, "--fsdp", fault=_die_in_the_second_save,
+                    codes=({2, -signal.SIGKILL}, -signal.SIGKILL))
     assert "Traceback" not in output and ("lost another rank" in output or "error" not in output)
     assert ckpt.list_steps(out) == [10, 13, 15]  # (and they verify:)
     assert all(ckpt.read_meta(out, step, verify=True) for step in (10, 13, 15))
@@ -174,8 +188,8 @@ def test_checkpoints_resume_across_fsdp_ddp_and_one_process(runs, corpus, tmp_pa
 
 
 def _explode_a_padded_row_on_rank_1(rank):
-    """In step 5, rank 1's shard of the embedding gets a row of 1e6. The row is padding that no token
-    uses and no logit reads: the loss is unchanged, only max |w| on one rank shows it."""
+    """In step 5, rank 1's shard of the embedding gets a row of 1e6. The row is padding that no
+    token uses and no logit reads: the loss is unchanged, only max |w| on one rank shows it."""
     real, calls = train.micro_step, []
 
     def micro_step(model, x, y, autocast):
@@ -191,7 +205,8 @@ def _explode_a_padded_row_on_rank_1(rank):
 
 def test_weights_exploded_in_one_shard_roll_every_rank_back(corpus, tmp_path):
     out = tmp_path / "run"
-    text = launch(corpus, out, "--fsdp", "--max-steps", 8, "--save-every", 3, fault=_explode_a_padded_row_on_rank_1)
+    text = launch(corpus, out, "--fsdp", "--max-steps", 8, "--save-every", 3,
+                  fault=_explode_a_padded_row_on_rank_1)
     assert "step 6: not saved: the weights have exploded" in text
     assert "restored the weights of step 3" in text
     assert ckpt.list_steps(out) == [3, 6, 8]
@@ -201,7 +216,8 @@ def test_weights_exploded_in_one_shard_roll_every_rank_back(corpus, tmp_path):
 def test_fsdp_without_torchrun_is_a_world_of_one(runs, corpus, tmp_path):
     fsdp = runs[0]
     text = run("--data", corpus, *ARGS, "--fsdp", "--out-dir", branch(fsdp, tmp_path / "one", 15))
-    assert "world size 1, FSDP (without torchrun: nothing to shard)" in text and "resumed from" in text
+    assert ("world size 1, FSDP (without torchrun: nothing to shard)" in text
+            and "resumed from" in text)
     assert not dist.is_initialized()  # the process group of one is gone with the run
     assert_close(losses(tmp_path / "one"), losses(fsdp))
     assert_close(weights(tmp_path / "one", 20), weights(fsdp, 20))
