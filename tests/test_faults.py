@@ -1,5 +1,6 @@
-"""The fault matrix: each case a user can run into around the edges of a run, with the exit code, the message,
-and the promise that every checkpoint that verified before the fault still verifies after it."""
+"""The fault matrix: each case a user can run into around the edges of a run, with the exit code,
+the message, and the promise that every checkpoint that verified before the fault still verifies
+after it."""
 import contextlib
 import dataclasses
 import errno
@@ -29,7 +30,8 @@ import prepare
 import sample
 import train
 from model import PRESETS
-from test_train import BASE, ROOT, corpus, records, run, start_train, weights  # noqa: F401 (corpus is a fixture)
+# corpus is a fixture (hence the noqa: F401)
+from test_train import BASE, ROOT, corpus, records, run, start_train, weights  # noqa: F401
 
 runner = CliRunner()
 
@@ -52,7 +54,8 @@ def verified_steps(out):
 
 
 def trained(corpus, out, steps=20, *extra):
-    run("--data", corpus, *BASE, "--max-steps", steps, "--save-every", 5, "--keep-last", 0, "--out-dir", out, *extra)
+    run("--data", corpus, *BASE, "--max-steps", steps, "--save-every", 5, "--keep-last", 0,
+        "--out-dir", out, *extra)
     return fingerprint(out)
 
 
@@ -60,19 +63,22 @@ def test_nan_guard_never_saves_poison_and_stops_when_the_streak_returns(corpus, 
     out = tmp_path / "run"
     before = trained(corpus, out)
     # lr 1e30: the first update leaves the weights finite but ~1e29, then every step is non-finite
-    text = run("--data", corpus, *BASE, "--max-steps", 40, "--save-every", 5, "--keep-last", 3, "--lr", "1e30",
-               "--out-dir", out, expect=2)
-    assert "rolled back to step 20 3 times" in text and "lower --lr" in text and "Traceback" not in text
+    text = run("--data", corpus, *BASE, "--max-steps", 40, "--save-every", 5, "--keep-last", 3,
+               "--lr", "1e30", "--out-dir", out, expect=2)
+    assert ("rolled back to step 20 3 times" in text and "lower --lr" in text
+            and "Traceback" not in text)
     assert fingerprint(out) == before  # nothing new was saved, and retention deleted nothing
     assert verified_steps(out) == [5, 10, 15, 20]
-    assert [r["event"] for r in records(out, "event") if r["event"] == "rollback"] == ["rollback"] * 3
+    rollbacks = [r["event"] for r in records(out, "event") if r["event"] == "rollback"]
+    assert rollbacks == ["rollback"] * 3
 
 
 def test_exploded_weights_are_not_saved(corpus, tmp_path, monkeypatch):
     out = tmp_path / "run"
     real = train.micro_step
 
-    def explode_at_step_7(model, x, y, autocast):  # weights blown up while finite: not a non-finite step
+    # weights blown up while finite: not a non-finite step
+    def explode_at_step_7(model, x, y, autocast):
         if model.training and len(calls) == 2 * 7:
             with torch.no_grad():
                 for p in model.parameters():
@@ -82,7 +88,8 @@ def test_exploded_weights_are_not_saved(corpus, tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(train, "micro_step", explode_at_step_7)
-    text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--keep-last", 0, "--out-dir", out)
+    text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--keep-last", 0,
+               "--out-dir", out)
     assert "restored the weights of step 5" in text
     assert verified_steps(out) == [5, 12]  # step 10 held exploded weights: never written
 
@@ -90,16 +97,19 @@ def test_exploded_weights_are_not_saved(corpus, tmp_path, monkeypatch):
 def test_all_checkpoints_corrupt_is_refused_and_nothing_is_touched(corpus, tmp_path):
     out = tmp_path / "run"
     trained(corpus, out, 10)
-    for p in out.glob("model_step_*.safetensors"):  # one byte each, same size: only the hash can tell
+    # one byte each, same size: only the hash can tell
+    for p in out.glob("model_step_*.safetensors"):
         b = bytearray(p.read_bytes())
         b[len(b) // 2] ^= 1
         p.write_bytes(bytes(b))
     damaged = fingerprint(out)
     text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
-    assert "no step verifies" in text and "--resume never --overwrite" in text and "model_step_10" in text
+    assert ("no step verifies" in text and "--resume never --overwrite" in text
+            and "model_step_10" in text)
     assert fingerprint(out) == damaged
     # the way out the message names: --overwrite moves them aside, untouched
-    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", "--overwrite")
+    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never",
+        "--overwrite")
     aside = next(out.glob("previous-*"))
     assert fingerprint(aside) == damaged
 
@@ -115,7 +125,8 @@ def test_a_second_run_on_the_same_directory_is_refused(corpus, tmp_path):
         text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
     assert "in use by another run (PID 4242 on gpu-node-7" in text
     assert fingerprint(out) == before
-    run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", out)  # released: the next run goes ahead
+    # released: the next run goes ahead
+    run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", out)
 
 
 def test_the_lock_is_released_by_kill_9(corpus, tmp_path):
@@ -128,7 +139,8 @@ def test_the_lock_is_released_by_kill_9(corpus, tmp_path):
     assert f"PID {proc.pid}" in text
     proc.kill()
     proc.wait()
-    run("--data", corpus, *BASE, "--max-steps", 4, "--out-dir", out, "--resume", "never", "--overwrite")
+    run("--data", corpus, *BASE, "--max-steps", 4, "--out-dir", out, "--resume", "never",
+        "--overwrite")
 
 
 def test_a_killed_branch_is_continued_not_the_abandoned_one(corpus, tmp_path, monkeypatch):
@@ -143,17 +155,19 @@ def test_a_killed_branch_is_continued_not_the_abandoned_one(corpus, tmp_path, mo
             raise KeyboardInterrupt  # as a kill would: the new step 15 is saved, nothing after it
 
     monkeypatch.setattr(train, "save_checkpoint", killed_after_15)
-    text = run("--data", corpus, *BASE, "--max-steps", 20, "--save-every", 5, "--out-dir", out, "--resume", 10,
-               expect=130)
+    text = run("--data", corpus, *BASE, "--max-steps", 20, "--save-every", 5, "--out-dir", out,
+               "--resume", 10, expect=130)
     monkeypatch.setattr(train, "save_checkpoint", real)
     aside = next(out.glob("abandoned-*"))
     assert sorted(int(p.stem.split("_")[-1]) for p in aside.glob("meta_step_*")) == [15, 20]
     text = run("--data", corpus, *BASE, "--max-steps", 20, "--save-every", 5, "--out-dir", out)
     assert "resumed from" in text and "step 15" in text
-    for k, v in weights(out, 20).items():  # the new branch, trained from 10 with the same data, is the same run
+    # the new branch, trained from 10 with the same data, is the same run
+    for k, v in weights(out, 20).items():
         assert torch.equal(v, original[k]), k
     steps = [r["step"] for r in records(out)]
-    assert steps == list(range(1, 21))  # one record per step: the abandoned and the redone ones are not mixed in
+    # one record per step: the abandoned and the redone ones are not mixed in
+    assert steps == list(range(1, 21))
 
 
 def test_a_short_validation_split_turns_eval_off_before_step_1(tmp_path):
@@ -164,16 +178,16 @@ def test_a_short_validation_split_turns_eval_off_before_step_1(tmp_path):
     for i in range(30):
         (src / f"b{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
     data = tmp_path / "data"
-    prepare.prepare(prepare.find_inputs([src]), data, tokenizer="byte", val_fraction=0.01, workers=1,
-                    log=lambda *a: None)
+    prepare.prepare(prepare.find_inputs([src]), data, tokenizer="byte", val_fraction=0.01,
+                    workers=1, log=lambda *a: None)
     text = run("--data", data, *BASE, "--max-steps", 3, "--out-dir", tmp_path / "run")
     assert "off: no val split of seq_len + 1 tokens" in text and "val loss" not in text
 
 
 def test_a_token_beyond_the_vocabulary_names_the_file_and_offset(corpus, tmp_path):
     data = tmp_path / "data"
-    prepare.prepare(prepare.find_inputs([Path(json.__file__).parent]), data, tokenizer="byte", val_fraction=0.2,
-                    workers=1, log=lambda *a: None)
+    prepare.prepare(prepare.find_inputs([Path(json.__file__).parent]), data, tokenizer="byte",
+                    val_fraction=0.2, workers=1, log=lambda *a: None)
     shard = data / "train_00000.bin"
     tokens = np.fromfile(shard, dtype=np.uint16)
     tokens[1234] = 300  # edited after prepare.py: same size, so only a full read can tell
@@ -192,17 +206,21 @@ def test_a_failed_save_keeps_the_earlier_checkpoints(corpus, tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
-    text = run("--data", corpus, *BASE, "--max-steps", 10, "--save-every", 5, "--out-dir", out, expect=2)
-    assert "could not write checkpoint step 10" in text and "No space left" in text and "untouched" in text
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--save-every", 5, "--out-dir", out,
+               expect=2)
+    assert ("could not write checkpoint step 10" in text and "No space left" in text
+            and "untouched" in text)
     assert fingerprint(out) == before and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("extra, message", [(["--max-steps", 4], "--max-steps 4 is below the resumed step 5"),
-                                            (["--seed", 1], "saved with seed = 0, but this run has seed = 1")])
+@pytest.mark.parametrize("extra, message", [
+    (["--max-steps", 4], "--max-steps 4 is below the resumed step 5"),
+    (["--seed", 1], "saved with seed = 0, but this run has seed = 1")])
 def test_a_refused_resume_moves_no_newer_step_aside(corpus, tmp_path, extra, message):
     out = tmp_path / "run"
     before, metrics = trained(corpus, out, 10), (out / "metrics.jsonl").read_text()
-    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, "--resume", 5, *extra, expect=2)
+    text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, "--resume", 5, *extra,
+               expect=2)
     assert message in text and "moved" not in text
     assert fingerprint(out) == before and (out / "metrics.jsonl").read_text() == metrics
     assert not list(out.glob("abandoned-*"))
@@ -212,7 +230,8 @@ def test_a_metrics_record_cut_short_by_a_full_disk_does_not_stop_the_resume(corp
     out = tmp_path / "run"
     trained(corpus, out, 10)
     with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"kind": "event", "event": "resume", "st')  # what a disk full during an append left
+        # what a disk full during an append left
+        f.write('{"kind": "event", "event": "resume", "st')
     assert "resumed from" in run("--data", corpus, *BASE, "--max-steps", 12, "--out-dir", out)
     assert [r["step"] for r in records(out)] == list(range(1, 13))  # every line is whole JSON again
 
@@ -229,11 +248,13 @@ def test_a_full_disk_while_logging_is_a_clear_error(corpus, tmp_path, monkeypatc
 
     monkeypatch.setattr(train.Log, "__init__", log_to_a_full_disk)
     text = run("--data", corpus, *BASE, "--max-steps", 10, "--out-dir", out, expect=2)
-    assert "could not write /dev/full (No space left on device)" in text and fingerprint(out) == before
+    assert ("could not write /dev/full (No space left on device)" in text
+            and fingerprint(out) == before)
 
 
 @pytest.mark.parametrize("resume", ["auto", "never"])
-def test_the_records_of_a_run_killed_before_its_first_save_are_not_repeated(corpus, tmp_path, resume):
+def test_the_records_of_a_run_killed_before_its_first_save_are_not_repeated(
+        corpus, tmp_path, resume):
     out = tmp_path / "run"
     run("--data", corpus, *BASE, "--max-steps", 3, "--out-dir", out)
     for p in [p for ps in ckpt.step_files(out).values() for p in ps]:
@@ -246,7 +267,8 @@ def test_an_export_is_refused_as_out_dir(corpus, tmp_path):
     trained(corpus, tmp_path / "run", 5)
     export = official.export(tmp_path / "run", tmp_path / "export")
     before = {p.name: p.read_bytes() for p in export.iterdir()}
-    text = run("--data", corpus, *BASE, "--max-steps", 2, "--init-from", tmp_path / "run", "--out-dir", export, expect=2)
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--init-from", tmp_path / "run",
+               "--out-dir", export, expect=2)
     assert "is an export" in text and {p.name: p.read_bytes() for p in export.iterdir()} == before
 
 
@@ -255,33 +277,38 @@ def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
     trained(corpus, out, 10)
     for name in ("model_step_10.safetensors", "optim_step_10.pt"):
         path = out / name
-        path.write_bytes(b"\x00" * path.stat().st_size)  # garbage whose hash the meta is then made to record
+        # garbage whose hash the meta is then made to record
+        path.write_bytes(b"\x00" * path.stat().st_size)
         meta = json.loads((out / "meta_step_10.json").read_text())
         meta["files"][name]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         (out / "meta_step_10.json").write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="model_step_10.safetensors matches its sha256 but is unreadable"):
-        result = runner.invoke(sample.app, ["--out-dir", str(out), "--max-new-tokens", "3", "--num-samples", "2"])
+    with pytest.warns(UserWarning,
+                      match="model_step_10.safetensors matches its sha256 but is unreadable"):
+        result = runner.invoke(sample.app, ["--out-dir", str(out), "--max-new-tokens", "3",
+                                            "--num-samples", "2"])
     assert result.exit_code == 0 and "(step 5)" in result.output
     text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--out-dir", out)
     assert "resumed from" in text and "step 5" in text
 
 
-@pytest.mark.parametrize("flags", [["--top-k", "0"], ["--temperature", "-1"], ["--max-new-tokens", "-5"],
-                                   ["--device", "tpu"]])
+@pytest.mark.parametrize("flags", [["--top-k", "0"], ["--temperature", "-1"],
+                                   ["--max-new-tokens", "-5"], ["--device", "tpu"]])
 def test_sample_flags_out_of_range_are_usage_errors(tmp_path, flags):
     result = runner.invoke(sample.app, ["--out-dir", str(tmp_path), *flags])
     assert result.exit_code == 2 and f"Invalid value for '{flags[0]}'" in result.output
 
 
 # -----------------------------------------------------------------------------
-# round three: moving steps aside, readers during retention, other data, memory, the last rough edges
+# round three: moving steps aside, readers during retention, other data, memory,
+# the last rough edges
 
 
 @pytest.fixture(scope="module")
 def run3(corpus, tmp_path_factory):
     """A finished run with checkpoints at steps 1, 2 and 3: copy it (runs) before changing it."""
     out = tmp_path_factory.mktemp("run3") / "run"
-    run("--data", corpus, *BASE, "--max-steps", 3, "--save-every", 1, "--keep-last", 0, "--out-dir", out)
+    run("--data", corpus, *BASE, "--max-steps", 3, "--save-every", 1, "--keep-last", 0,
+        "--out-dir", out)
     return out
 
 
@@ -291,7 +318,8 @@ def copied(run3, tmp_path):
 
 
 def where_each_step_verifies(out):
-    """{step: [directories in which it verifies]} over out and every directory in it, hidden ones too."""
+    """{step: [directories in which it verifies]} over out and every directory in it, hidden
+    ones too."""
     found = {}
     for d in [out] + sorted(p for p in Path(out).iterdir() if p.is_dir()):
         for step in ckpt.step_files(d):
@@ -323,50 +351,61 @@ def test_moving_steps_aside_survives_a_kill_at_every_rename(tmp_path, monkeypatc
     src = tmp_path / "src"
     for step in (10, 20, 30):
         ckpt.save(src, step, torch.nn.Linear(2, 2), None, {})
-    (src / "metrics.jsonl").write_text("".join(json.dumps(dict(kind="train", step=s)) + "\n" for s in range(1, 31)))
+    lines = "".join(json.dumps(dict(kind="train", step=s)) + "\n" for s in range(1, 31))
+    (src / "metrics.jsonl").write_text(lines)
     for k in itertools.count():
         out = tmp_path / f"kill{k}"
         shutil.copytree(src, out)
         killed_after(monkeypatch, k)
         try:
-            finished = bool(train.move_aside(out, 10, ckpt.step_files(out), "abandoned"))  # no kill came
+            # no kill came
+            finished = bool(train.move_aside(out, 10, ckpt.step_files(out), "abandoned"))
         except Killed:
             finished = False
         monkeypatch.undo()
-        train.finish_moves(out)  # the next run (--resume auto), first thing; then it resumes the newest step
+        # the next run (--resume auto), first thing; then it resumes the newest step
+        train.finish_moves(out)
         train.move_aside(out, ckpt.latest_step(out), ckpt.step_files(out), "abandoned")
-        ckpt.save(out, 11, torch.nn.Linear(2, 2), None, {})  # and its first save, which removes leftovers
+        # and its first save, which removes leftovers
+        ckpt.save(out, 11, torch.nn.Linear(2, 2), None, {})
         where = where_each_step_verifies(out)
-        assert sorted(where) == [10, 11, 20, 30] and all(len(ds) == 1 for ds in where.values()), (k, where)
+        assert (sorted(where) == [10, 11, 20, 30]
+                and all(len(ds) == 1 for ds in where.values())), (k, where)
         assert not list(out.glob(".*.moving")), k
         aside = where[20][0]
-        assert aside.startswith("abandoned-") and where[30] == [aside] and where[10] == [f"kill{k}"], (k, where)
-        steps = lambda d: [json.loads(line)["step"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+        assert (aside.startswith("abandoned-") and where[30] == [aside]
+                and where[10] == [f"kill{k}"]), (k, where)
+        steps = lambda d: [json.loads(line)["step"]
+                           for line in (d / "metrics.jsonl").read_text().splitlines()]
         assert steps(out) == list(range(1, 11)) and steps(out / aside) == list(range(11, 31)), k
         if finished:
             break
     assert k > 6  # six step files, the records, the directory
 
 
-def test_a_run_killed_while_moving_steps_aside_is_continued_on_its_branch(run3, corpus, tmp_path, monkeypatch):
+def test_a_run_killed_while_moving_steps_aside_is_continued_on_its_branch(
+        run3, corpus, tmp_path, monkeypatch):
     out = copied(run3, tmp_path)
     killed_after(monkeypatch, 2)  # two of step 2's three files
     with pytest.raises(Killed):
-        runner.invoke(train.app, [str(a) for a in ["--data", corpus, *BASE, "--max-steps", 3, "--out-dir", out,
-                                                   "--resume", 1]], catch_exceptions=False)
+        args = ["--data", corpus, *BASE, "--max-steps", 3, "--out-dir", out, "--resume", 1]
+        runner.invoke(train.app, [str(a) for a in args], catch_exceptions=False)
     monkeypatch.undo()
     assert list(out.glob(".abandoned-*.moving"))
     text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out)  # --resume auto
     assert "resumed from" in text and "step 1" in text
     where = where_each_step_verifies(out)
     assert where[1] == where[2][:1] == ["run"] and where[3][0].startswith("abandoned-")
-    assert len(where[2]) == 2 and where[2][1] == where[3][0]  # the new step 2 here, the old one aside
+    # the new step 2 here, the old one aside
+    assert len(where[2]) == 2 and where[2][1] == where[3][0]
     assert [r["step"] for r in records(out)] == [1, 2]
 
 
 def deleted_between_listing_and_reading(monkeypatch, point, delete):
-    """Run delete() once, at `point` of a load: after list_steps, inside the hashing, or before the tensors are read."""
-    target = {"list": (ckpt, "list_steps"), "hash": (ckpt, "sha256"), "read": (safetensors.torch, "load_file")}[point]
+    """Run delete() once, at `point` of a load: after list_steps, inside the hashing, or before
+    the tensors are read."""
+    target = {"list": (ckpt, "list_steps"), "hash": (ckpt, "sha256"),
+              "read": (safetensors.torch, "load_file")}[point]
     real, done = getattr(*target), []
 
     def at_point(*args, **kwargs):
@@ -380,31 +419,39 @@ def deleted_between_listing_and_reading(monkeypatch, point, delete):
 
 
 @pytest.mark.parametrize("point", ["list", "hash", "read"])
-def test_a_step_deleted_by_retention_as_it_is_read_falls_back_to_the_newest(tmp_path, monkeypatch, point):
+def test_a_step_deleted_by_retention_as_it_is_read_falls_back_to_the_newest(
+        tmp_path, monkeypatch, point):
     model = torch.nn.Linear(3, 3)
     ckpt.save(tmp_path, 1, model, None, {}, keep_last=1)
     # the writer saves step 2 and its retention deletes step 1 while a reader is loading step 1
-    deleted_between_listing_and_reading(monkeypatch, point, lambda: ckpt.save(tmp_path, 2, model, None, {}, keep_last=1))
+    deleted_between_listing_and_reading(
+        monkeypatch, point, lambda: ckpt.save(tmp_path, 2, model, None, {}, keep_last=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, meta = ckpt.load_latest(tmp_path, torch.nn.Linear(3, 3))
     assert step == 2 and meta["step"] == 2
     messages = [str(w.message) for w in caught]
-    assert any("step 1" in m and "deleted as it was read (by the retention" in m for m in messages), messages
+    assert any("step 1" in m and "deleted as it was read (by the retention" in m
+               for m in messages), messages
     assert not any("corrupt" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("point", ["list", "hash", "read"])
-def test_sample_and_load_model_fall_back_when_the_newest_step_vanishes(run3, tmp_path, monkeypatch, point):
+def test_sample_and_load_model_fall_back_when_the_newest_step_vanishes(
+        run3, tmp_path, monkeypatch, point):
     out = copied(run3, tmp_path)
-    deleted_between_listing_and_reading(monkeypatch, point, lambda: [p.unlink() for p in ckpt.step_files(out)[3]])
+    deleted_between_listing_and_reading(
+        monkeypatch, point, lambda: [p.unlink() for p in ckpt.step_files(out)[3]])
     with pytest.warns(UserWarning, match="step 3 .* deleted as it was read"):
-        result = runner.invoke(sample.app, ["--out-dir", str(out), "--max-new-tokens", "3", "--num-samples", "2"])
-    assert result.exit_code == 0 and "(step 2)" in result.output and "corrupt" not in result.output, result.output
+        result = runner.invoke(sample.app, ["--out-dir", str(out), "--max-new-tokens", "3",
+                                            "--num-samples", "2"])
+    assert (result.exit_code == 0 and "(step 2)" in result.output
+            and "corrupt" not in result.output), result.output
     monkeypatch.undo()
     flip = out / "model_step_2.safetensors"
     flip.write_bytes(flip.read_bytes()[:-1] + bytes([flip.read_bytes()[-1] ^ 1]))
-    with pytest.warns(UserWarning, match="model_step_2.safetensors is corrupt"):  # corrupt is still called corrupt
+    # corrupt is still called corrupt
+    with pytest.warns(UserWarning, match="model_step_2.safetensors is corrupt"):
         assert official.load_model(out)[2] == 1
 
 
@@ -412,12 +459,14 @@ def test_resuming_on_other_data_is_refused_unless_meant(run3, corpus, tmp_path):
     out = copied(run3, tmp_path)
     before = fingerprint(out)
     other = tmp_path / "other"
-    prepare.prepare(prepare.find_inputs([Path(json.__file__).parent / "tool.py", Path(__file__)]), other,
-                    tokenizer="byte", val_fraction=0.2, workers=1, log=lambda *a: None)
+    prepare.prepare(prepare.find_inputs([Path(json.__file__).parent / "tool.py", Path(__file__)]),
+                    other, tokenizer="byte", val_fraction=0.2, workers=1, log=lambda *a: None)
     for data in [["--data", other], ["--data", f"{corpus}:1", "--data", f"{other}:1"]]:
         text = run(*data, *BASE, "--max-steps", 4, "--out-dir", out, expect=2)
-        assert f"trained on --data {corpus}" in text and str(other) in text and "--new-data" in text, text
-        assert "--resume never" in text and fingerprint(out) == before and not list(out.glob("abandoned-*"))
+        assert (f"trained on --data {corpus}" in text and str(other) in text
+                and "--new-data" in text), text
+        assert ("--resume never" in text and fingerprint(out) == before
+                and not list(out.glob("abandoned-*")))
     text = run("--data", other, *BASE, "--max-steps", 4, "--out-dir", out, "--new-data")
     assert "resumed from" in text and "step 3" in text and "step 4:" in text
     assert ckpt.read_meta(out, 4)["data_identity"][0]["path"] == str(other)
@@ -430,10 +479,13 @@ def test_the_data_identity_sees_other_shards_not_other_paths(corpus, tmp_path):
         return [(d["weight"], d["files"]) for d in train.data_identity(batches)]
 
     shutil.copytree(corpus, tmp_path / "copy")
-    assert identity(tmp_path / "copy") == identity(corpus)  # the same shards moved elsewhere: the same data
-    prepare.prepare(prepare.find_inputs([Path(json.__file__).parent / "tool.py", Path(json.__file__)]),
-                    tmp_path / "copy", tokenizer="byte", val_fraction=0.2, workers=1, log=lambda *a: None)
-    assert identity(tmp_path / "copy") != identity(corpus)  # the same directory prepared again from other text
+    # the same shards moved elsewhere: the same data
+    assert identity(tmp_path / "copy") == identity(corpus)
+    inputs = prepare.find_inputs([Path(json.__file__).parent / "tool.py", Path(json.__file__)])
+    prepare.prepare(inputs, tmp_path / "copy", tokenizer="byte", val_fraction=0.2, workers=1,
+                    log=lambda *a: None)
+    # the same directory prepared again from other text
+    assert identity(tmp_path / "copy") != identity(corpus)
     raw = tmp_path / "raw.bin"
     np.arange(1000, dtype=np.uint16).tofile(raw)
     before = identity(raw)
@@ -446,36 +498,44 @@ def test_the_data_identity_sees_other_shards_not_other_paths(corpus, tmp_path):
     (8e9, dict(model="180m", grad_checkpointing=True), 1),
     (2e9, dict(model="180m"), 0),  # neither way fits: only another preset
     (1e8, dict(model="tiny", batch_size=256, seq_len=256, total_batch_size=65536), 2)])
-def test_a_step_that_cannot_fit_in_memory_is_refused_before_step_1(corpus, tmp_path, monkeypatch, free, settings,
-                                                                   ways):
+def test_a_step_that_cannot_fit_in_memory_is_refused_before_step_1(
+        corpus, tmp_path, monkeypatch, free, settings, ways):
     monkeypatch.setattr(train, "free_memory", lambda device: free)
 
     def not_refused(*args):
         raise AssertionError("a 180m step is not for this CPU")
 
     monkeypatch.setattr(train, "header", not_refused)
-    flags = [f for k, v in settings.items() for f in [f"--{k.replace('_', '-')}", v][: 1 if v is True else 2]]
-    text = run("--data", corpus, *flags, "--dtype", "fp32", "--out-dir", tmp_path / "run", "--dry-run", expect=2)
-    assert f"{free / 1e9:.1f} GB free" in text and "parameters with their gradients and AdamW state" in text
-    assert "a smaller --model" in text and "Traceback" not in text and not (tmp_path / "run").exists(), text
+    flags = [f for k, v in settings.items()
+             for f in [f"--{k.replace('_', '-')}", v][: 1 if v is True else 2]]
+    text = run("--data", corpus, *flags, "--dtype", "fp32", "--out-dir", tmp_path / "run",
+               "--dry-run", expect=2)
+    assert (f"{free / 1e9:.1f} GB free" in text
+            and "parameters with their gradients and AdamW state" in text)
+    assert ("a smaller --model" in text and "Traceback" not in text
+            and not (tmp_path / "run").exists()), text
     # each way out the message names fits, by the same estimate
-    found = re.findall(r"--grad-checkpointing(?: with --batch-size (\d+))?|--batch-size (\d+)", text)
+    found = re.findall(r"--grad-checkpointing(?: with --batch-size (\d+))?|--batch-size (\d+)",
+                       text)
     assert len(found) == ways, text
     cfg = train.resolve(train.TrainConfig(data=[str(corpus)], **settings))
     config = dataclasses.replace(PRESETS[cfg.model], vocab_size=257)
     for with_recompute, batch in found:
-        train.check_memory(dataclasses.replace(cfg, grad_checkpointing=not batch or cfg.grad_checkpointing,
-                                               batch_size=int(with_recompute or batch or cfg.batch_size)), config)
+        train.check_memory(dataclasses.replace(
+            cfg, grad_checkpointing=not batch or cfg.grad_checkpointing,
+            batch_size=int(with_recompute or batch or cfg.batch_size)), config)
 
 
 def test_memory_on_a_gpu_refuses_only_what_is_sure(monkeypatch):
     cfg = train.resolve(train.TrainConfig(data=["x"], model="180m", device="cpu"))
     cfg = dataclasses.replace(cfg, device="cuda")
     config = dataclasses.replace(PRESETS["180m"], vocab_size=50257)
-    monkeypatch.setattr(train, "free_memory", lambda device: 20e9)  # the weights' state fits, the activations may not
+    # the weights' state fits, the activations may not
+    monkeypatch.setattr(train, "free_memory", lambda device: 20e9)
     with pytest.warns(UserWarning, match="if it runs out"):
         train.check_memory(cfg, config)
-    monkeypatch.setattr(train, "free_memory", lambda device: 1e9)  # not even the weights, gradients, AdamW state
+    # not even the weights, gradients, AdamW state
+    monkeypatch.setattr(train, "free_memory", lambda device: 1e9)
     with pytest.raises(train.TrainError, match="2.0 GB for 127.0M parameters"):
         train.check_memory(cfg, config)
     monkeypatch.setattr(train, "free_memory", lambda device: None)  # unknown: no check
@@ -483,20 +543,25 @@ def test_memory_on_a_gpu_refuses_only_what_is_sure(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["foo", "Triton"])
-def test_an_unknown_scan_impl_is_refused_before_anything_is_written(corpus, run3, tmp_path, monkeypatch, impl):
+def test_an_unknown_scan_impl_is_refused_before_anything_is_written(
+        corpus, run3, tmp_path, monkeypatch, impl):
     monkeypatch.setenv("MAMBA3_IMPL", impl)
     text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", tmp_path / "run", expect=2)
-    assert f"MAMBA3_IMPL={impl}" in text and impl in text.split("got")[-1] and not (tmp_path / "run").exists()
-    result = runner.invoke(sample.app, ["--out-dir", str(run3), "--prompt", "PROMPT", "--max-new-tokens", "3"])
-    assert result.exit_code == 2 and f"MAMBA3_IMPL={impl}" in result.output and "PROMPT" not in result.output
+    assert (f"MAMBA3_IMPL={impl}" in text and impl in text.split("got")[-1]
+            and not (tmp_path / "run").exists())
+    result = runner.invoke(sample.app, ["--out-dir", str(run3), "--prompt", "PROMPT",
+                                        "--max-new-tokens", "3"])
+    assert (result.exit_code == 2 and f"MAMBA3_IMPL={impl}" in result.output
+            and "PROMPT" not in result.output)
 
 
 def test_triton_on_a_cpu_without_its_interpreter_is_one_sentence(corpus, tmp_path):
     env = {**os.environ, "MAMBA3_IMPL": "triton", "TRITON_INTERPRET": "0"}
-    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE), "--max-steps", "2",
-           "--out-dir", str(tmp_path / "run"), "--device", "cpu"]
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE),
+           "--max-steps", "2", "--out-dir", str(tmp_path / "run"), "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 2 and "MAMBA3_IMPL=triton" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
+    assert (proc.returncode == 2 and "MAMBA3_IMPL=triton" in proc.stderr
+            and "TRITON_INTERPRET=1" in proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout and not (tmp_path / "run").exists()
 
 
@@ -509,8 +574,10 @@ def test_a_seed_beyond_int64_is_a_usage_error(app, flags, seed):
 
 @pytest.mark.parametrize("flags, message", [
     (["--out-dir", ""], "--out-dir is empty"), (["--out-dir", "  "], "--out-dir is empty"),
-    (["--lr", "inf"], "--lr inf: expected a finite number"), (["--lr", "nan"], "--lr nan: expected a finite number"),
-    (["--min-lr", "nan"], "'--min-lr'"), (["--grad-clip", "inf"], "--grad-clip inf: expected a finite number"),
+    (["--lr", "inf"], "--lr inf: expected a finite number"),
+    (["--lr", "nan"], "--lr nan: expected a finite number"),
+    (["--min-lr", "nan"], "'--min-lr'"),
+    (["--grad-clip", "inf"], "--grad-clip inf: expected a finite number"),
     (["--weight-decay", "inf"], "--weight-decay inf: expected a finite number")])
 def test_bad_numbers_and_names_are_refused(corpus, tmp_path, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
@@ -518,25 +585,31 @@ def test_bad_numbers_and_names_are_refused(corpus, tmp_path, monkeypatch, flags,
     assert message in text and "Traceback" not in text and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("same", [lambda out: out, lambda out: f"{out}/", lambda out: out.parent / "." / out.name])
+@pytest.mark.parametrize("same", [lambda out: out, lambda out: f"{out}/",
+                                  lambda out: out.parent / "." / out.name])
 def test_init_from_its_own_out_dir_is_refused(run3, corpus, tmp_path, same):
     out = copied(run3, tmp_path)
     before, metrics = fingerprint(out), (out / "metrics.jsonl").read_text()
-    text = run("--data", corpus, *BASE, "--max-steps", 5, "--init-from", same(out), "--out-dir", out, expect=2)
+    text = run("--data", corpus, *BASE, "--max-steps", 5, "--init-from", same(out),
+               "--out-dir", out, expect=2)
     assert "--init-from and --out-dir are both" in text and "another --out-dir" in text
     assert fingerprint(out) == before and (out / "metrics.jsonl").read_text() == metrics
 
 
-def test_resets_without_an_eos_id_and_another_tokenizer_than_init_froms_are_refused(run3, corpus, tmp_path):
+def test_resets_without_an_eos_id_and_another_tokenizer_than_init_froms_are_refused(
+        run3, corpus, tmp_path):
     raw = tmp_path / "raw.bin"  # a raw token file records no EOS id
     (np.arange(20000) % 257).astype(np.uint16).tofile(raw)
-    text = run("--data", raw, *BASE, "--max-steps", 2, "--reset-at-eos", "--out-dir", tmp_path / "a", expect=2)
-    assert f"--reset-at-eos needs data that records its EOS id (a prepare.py directory); {raw} does not" in text
+    text = run("--data", raw, *BASE, "--max-steps", 2, "--reset-at-eos",
+               "--out-dir", tmp_path / "a", expect=2)
+    assert ("--reset-at-eos needs data that records its EOS id (a prepare.py directory); "
+            f"{raw} does not" in text)
     other = tmp_path / "gpt2-corpus"  # the same ids, said to be GPT-2's: they would mean other text
     shutil.copytree(corpus, other)
     m = json.loads((other / "manifest.json").read_text())
     (other / "manifest.json").write_text(json.dumps({**m, "tokenizer": {"name": "gpt2"}}))
-    text = run("--data", other, *BASE, "--max-steps", 2, "--init-from", run3, "--out-dir", tmp_path / "b", expect=2)
+    text = run("--data", other, *BASE, "--max-steps", 2, "--init-from", run3,
+               "--out-dir", tmp_path / "b", expect=2)
     assert f"--init-from {run3} has the byte tokenizer, the data gpt2" in " ".join(text.split())
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -554,18 +627,22 @@ def test_an_out_dir_that_is_a_file_is_called_a_file(corpus, tmp_path, under):
 def test_resuming_another_model_advises_flags_not_strict_false(run3, corpus, tmp_path, flags):
     out = copied(run3, tmp_path)
     before = fingerprint(out)
-    text = run("--data", corpus, *BASE[2:], "--model", "tiny", "--max-steps", 4, "--out-dir", out, *flags, expect=2)
-    assert "does not fit the model" in text and "--vocab-size" in text and "--resume never" in text, text
+    text = run("--data", corpus, *BASE[2:], "--model", "tiny", "--max-steps", 4, "--out-dir", out,
+               *flags, expect=2)
+    assert ("does not fit the model" in text and "--vocab-size" in text
+            and "--resume never" in text), text
     assert "strict=False" not in text and fingerprint(out) == before
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-def test_an_io_error_on_the_last_fsync_of_a_save_says_the_step_was_written(tmp_path, monkeypatch, k):
+def test_an_io_error_on_the_last_fsync_of_a_save_says_the_step_was_written(
+        tmp_path, monkeypatch, k):
     model = torch.nn.Linear(2, 2)
     ckpt.save(tmp_path, 1, model, None, {})
     real, calls = ckpt.fsync, []
 
-    def fsync(path):  # the directory's fsyncs: after each of the three renames; k counts from the last
+    # the directory's fsyncs: after each of the three renames; k counts from the last
+    def fsync(path):
         if Path(path) == tmp_path:
             calls.append(path)
             if len(calls) == 3 - k:
@@ -579,14 +656,15 @@ def test_an_io_error_on_the_last_fsync_of_a_save_says_the_step_was_written(tmp_p
         assert "checkpoint step 2 was written" in str(e.value) and "Free space" not in str(e.value)
         assert where_each_step_verifies(tmp_path) == {1: [tmp_path.name], 2: [tmp_path.name]}
     else:
-        assert "could not write checkpoint step 2" in str(e.value) and "I/O error: check it" in str(e.value)
+        assert ("could not write checkpoint step 2" in str(e.value)
+                and "I/O error: check it" in str(e.value))
         assert "Free space" not in str(e.value) and ckpt.list_steps(tmp_path) == [1]
 
 
 @pytest.mark.parametrize("state", [
     {"something": 1}, [1, 2], {"optimizer": None, "rng": {"torch": "x"}},
-    {"optimizer": None, "rng": {"torch": torch.zeros(3, dtype=torch.uint8), "cuda": None, "python": (3, (1,), None),
-                                "numpy": {"name": "MT19937"}}},
+    {"optimizer": None, "rng": {"torch": torch.zeros(3, dtype=torch.uint8), "cuda": None,
+                                "python": (3, (1,), None), "numpy": {"name": "MT19937"}}},
     {"optimizer": [1], "rng": {}}])
 def test_a_hash_matching_optimizer_file_of_another_structure_is_corrupt(tmp_path, state):
     good = torch.nn.Linear(2, 2)
@@ -594,12 +672,14 @@ def test_a_hash_matching_optimizer_file_of_another_structure_is_corrupt(tmp_path
     ckpt.save(tmp_path, 2, torch.nn.Linear(2, 2), None, {})
     torch.save(state, tmp_path / "optim_step_2.pt")
     meta = json.loads((tmp_path / "meta_step_2.json").read_text())
+    digest = hashlib.sha256((tmp_path / "optim_step_2.pt").read_bytes()).hexdigest()
     meta["files"]["optim_step_2.pt"] = {"bytes": (tmp_path / "optim_step_2.pt").stat().st_size,
-                                        "sha256": hashlib.sha256((tmp_path / "optim_step_2.pt").read_bytes()).hexdigest()}
+                                        "sha256": digest}
     (tmp_path / "meta_step_2.json").write_text(json.dumps(meta))
     model = torch.nn.Linear(2, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ckpt.CorruptCheckpoint, match="optim_step_2.pt matches its sha256 but is unreadable"):
+    with pytest.raises(ckpt.CorruptCheckpoint,
+                       match="optim_step_2.pt matches its sha256 but is unreadable"):
         ckpt.load(tmp_path, 2, model, restore_rng=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
     with pytest.warns(UserWarning, match="trying an earlier step"):
@@ -608,14 +688,16 @@ def test_a_hash_matching_optimizer_file_of_another_structure_is_corrupt(tmp_path
 
 def test_a_lost_peer_under_torchrun_is_one_paragraph(monkeypatch):
     cfg = train.TrainConfig(data=["x"], out_dir="runs/a")
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                        "[127.0.0.1]:41368. This is typically caused by a remote worker crashing.")
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                        "Connection closed by peer [127.0.0.1]:41368. "
+                        "This is typically caused by a remote worker crashing.")
     assert train.lost_peer(gloo, cfg) is gloo  # a world of one: not a lost peer
     for name, value in [("is_initialized", True), ("get_world_size", 4), ("get_rank", 0)]:
         monkeypatch.setattr(train.dist, name, lambda value=value: value)
     e = train.lost_peer(gloo, cfg)
     assert isinstance(e, train.TrainError) and "rank 0 of 4 lost another rank" in str(e)
-    assert "Connection closed by peer [127.0.0.1]:41368" in str(e) and "resumes from the newest checkpoint in runs/a" in str(e)
+    assert ("Connection closed by peer [127.0.0.1]:41368" in str(e)
+            and "resumes from the newest checkpoint in runs/a" in str(e))
     bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert train.lost_peer(bug, cfg) is bug  # a bug keeps its traceback
 
@@ -635,7 +717,8 @@ def test_plot_into_a_place_it_cannot_write_is_one_paragraph(run3, tmp_path, monk
     assert ("Is a directory" if fault == "directory" else "Permission denied") in result.output
 
 
-def test_a_full_disk_while_trimming_the_records_leaves_no_temporary_file(run3, corpus, tmp_path, monkeypatch):
+def test_a_full_disk_while_trimming_the_records_leaves_no_temporary_file(
+        run3, corpus, tmp_path, monkeypatch):
     out = copied(run3, tmp_path)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"kind": "event", "st')  # a record cut short: the resume rewrites the file
@@ -653,7 +736,8 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_do(run3, corpus, tmp_
     out = copied(run3, tmp_path)
     before = fingerprint(out)
     text = run("--data", corpus, *BASE, "--max-steps", 3, "--out-dir", out)
-    assert text.index("is at step 3 of --max-steps 3 already: nothing to do") < text.index("mamba3-lite train")
+    assert (text.index("is at step 3 of --max-steps 3 already: nothing to do")
+            < text.index("mamba3-lite train"))
     assert fingerprint(out) == before and "step 4" not in text
 
 

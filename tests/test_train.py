@@ -1,4 +1,5 @@
-"""train.py and sample.py end to end on the tiny preset and a small byte-level corpus prepared here."""
+"""train.py and sample.py end to end on the tiny preset and a small byte-level corpus prepared
+here."""
 import dataclasses
 import json
 import math
@@ -26,9 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 
 # a tiny model, short context, 2 micro-steps of 4 sequences per optimizer step
-# (float32, so that the numerics do not depend on whether this CPU has bf16 arithmetic, where auto picks bf16)
-BASE = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "256", "--log-every", "1",
-        "--eval-every", "1000", "--eval-batches", "2", "--lr", "3e-3", "--warmup-steps", "2", "--dtype", "fp32"]
+# (float32, so that the numerics do not depend on whether this CPU has bf16 arithmetic, where
+# auto picks bf16)
+BASE = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--total-batch-size", "256",
+        "--log-every", "1", "--eval-every", "1000", "--eval-batches", "2", "--lr", "3e-3",
+        "--warmup-steps", "2", "--dtype", "fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,8 @@ def corpus(tmp_path_factory):
     for f in sorted(lib.glob("*.py")):
         (src / f.name).write_text(f.read_text())
     out = tmp_path_factory.mktemp("data") / "corpus"
-    prepare.prepare(prepare.find_inputs([src]), out, tokenizer="byte", val_fraction=0.2, workers=1, log=lambda *a: None)
+    prepare.prepare(prepare.find_inputs([src]), out, tokenizer="byte", val_fraction=0.2, workers=1,
+                    log=lambda *a: None)
     return out
 
 
@@ -47,7 +51,8 @@ def run(*args, expect=0):
     """train.py in-process through its real command line."""
     result = runner.invoke(train.app, [str(a) for a in args])
     if result.exit_code != expect:
-        raise AssertionError(f"exit {result.exit_code}, expected {expect}:\n{result.output}\n{result.exception!r}")
+        raise AssertionError(f"exit {result.exit_code}, expected {expect}:\n"
+                             f"{result.output}\n{result.exception!r}")
     return result.output
 
 
@@ -72,7 +77,8 @@ def assert_same_weights(a, b):
 
 def test_loss_falls_and_metrics_are_written(corpus, tmp_path):
     out = tmp_path / "run"
-    text = run("--data", corpus, *BASE, "--max-steps", 40, "--out-dir", out, "--eval-every", 20, "--save-every", 20)
+    text = run("--data", corpus, *BASE, "--max-steps", 40, "--out-dir", out, "--eval-every", 20,
+               "--save-every", 20)
     assert "tiny" in text and "val loss" in text
     train_recs = records(out)
     assert [r["step"] for r in train_recs] == list(range(1, 41))
@@ -96,8 +102,8 @@ def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, monkeypatch):
     args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 6]
     run(*args, "--out-dir", tmp_path / "straight")
 
-    # the second run is stopped by SIGTERM during step 6 (steps count from 0): it finishes the step, saves
-    # step 7 and exits; then it is resumed
+    # the second run is stopped by SIGTERM during step 6 (steps count from 0): it finishes the
+    # step, saves step 7 and exits; then it is resumed
     real = train.micro_step
     calls = []
 
@@ -122,7 +128,8 @@ def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, monkeypatch):
 def test_sigkill_between_checkpoints_then_resume(corpus, tmp_path):
     args = ["--data", corpus, *BASE, "--max-steps", 10, "--save-every", 4]
     run(*args, "--out-dir", tmp_path / "straight")
-    # a child that kills itself with SIGKILL two steps after committing step 4, once it has logged steps 5 and 6
+    # a child that kills itself with SIGKILL two steps after committing step 4, once it has logged
+    # steps 5 and 6
     child = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
@@ -150,20 +157,25 @@ def test_sigkill_between_checkpoints_then_resume(corpus, tmp_path):
 
 def test_resume_step_is_honoured(corpus, tmp_path):
     out = tmp_path / "run"
-    args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 4, "--out-dir", out, "--keep-last", 0]
+    args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 4, "--out-dir", out,
+            "--keep-last", 0]
     run(*args)
     original = weights(out, 12)
     # step 12 is the newest checkpoint, but --resume 4 must load step 4 and train steps 5-12 again
     text = run(*args, "--resume", 4)
     assert "resumed from" in text and "step 4" in text
-    # the abandoned branch (steps 8 and 12 and their records) was moved aside, not deleted or mixed in
+    # the abandoned branch (steps 8 and 12 and their records) was moved aside, not deleted or
+    # mixed in
     aside = next(out.glob("abandoned-*"))
-    assert sorted(p.name for p in aside.glob("meta_step_*")) == ["meta_step_12.json", "meta_step_8.json"]
+    assert sorted(p.name for p in aside.glob("meta_step_*")) == ["meta_step_12.json",
+                                                                 "meta_step_8.json"]
     assert [r["step"] for r in records(aside)] == list(range(5, 13))
     assert [r["step"] for r in records(out)] == list(range(1, 13))
     assert_same_weights(original, weights(out, 12))
-    # a run that has reached --max-steps resumed with fewer steps is a clean error, not a silent choice
-    assert "below the resumed step 12" in run(*args[:-4], "--max-steps", 8, "--out-dir", out, expect=2)
+    # a run that has reached --max-steps resumed with fewer steps is a clean error, not a silent
+    # choice
+    text = run(*args[:-4], "--max-steps", 8, "--out-dir", out, expect=2)
+    assert "below the resumed step 12" in text
 
 
 def test_nonfinite_steps_are_skipped_and_a_run_of_them_rolls_back(corpus, tmp_path, monkeypatch):
@@ -182,7 +194,8 @@ def test_nonfinite_steps_are_skipped_and_a_run_of_them_rolls_back(corpus, tmp_pa
         return loss * float("nan") if step in poisoned or step == 3 else loss
 
     monkeypatch.setattr(train, "micro_step", faulty)
-    text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--nan-guard", 3, "--out-dir", out)
+    text = run("--data", corpus, *BASE, "--max-steps", 12, "--save-every", 5, "--nan-guard", 3,
+               "--out-dir", out)
     assert text.count("update skipped") == 4
     # a lone non-finite step (3) skips the update: the weights going into step 4 are those of step 3
     assert all(torch.equal(a, b) for a, b in zip(params_at[3], params_at[4]))
@@ -205,11 +218,14 @@ def test_the_nan_guard_rules(tmp_path):
         model.weight.fill_(1.0)
     guard = train.NanGuard(limit=2, explode=10.0, out=tmp_path)
     assert guard.finite(1.0, 1.0, 1, log) and not guard.due() and guard.poison(model) is None
-    assert not guard.finite(math.nan, 1.0, 2, log) and not guard.due()  # one bad step: skipped, no rollback
+    # one bad step: skipped, no rollback
+    assert not guard.finite(math.nan, 1.0, 2, log) and not guard.due()
     assert guard.poison(model) == "1 non-finite steps in a row"  # and not saved
     assert guard.finite(1.0, 1.0, 3, log) and guard.streak == 0  # a good step ends the streak
-    assert not guard.finite(1.0, math.inf, 4, log) and not guard.finite(math.nan, 1.0, 5, log) and guard.due()
-    assert guard.skipped == 3 and events == [{"kind": "event", "event": "nonfinite", "step": s} for s in (2, 4, 5)]
+    assert (not guard.finite(1.0, math.inf, 4, log) and not guard.finite(math.nan, 1.0, 5, log)
+            and guard.due())
+    assert guard.skipped == 3 and events == [{"kind": "event", "event": "nonfinite", "step": s}
+                                             for s in (2, 4, 5)]
     with pytest.raises(train.TrainError, match="2 bad steps in a row at step 7 and no checkpoint"):
         guard.roll_back(model, None, 7, log)
     events.clear()
@@ -235,14 +251,16 @@ def test_the_nan_guard_rules(tmp_path):
 def test_rollback_without_a_checkpoint_is_a_clear_error(corpus, tmp_path, monkeypatch):
     real = train.micro_step
     monkeypatch.setattr(train, "micro_step", lambda *a: real(*a) * float("nan"))
-    text = run("--data", corpus, *BASE, "--max-steps", 12, "--nan-guard", 2, "--out-dir", tmp_path, expect=2)
+    text = run("--data", corpus, *BASE, "--max-steps", 12, "--nan-guard", 2, "--out-dir", tmp_path,
+               expect=2)
     assert "no checkpoint" in text and "Traceback" not in text
 
 
 def start_train(corpus, out):
-    """A long train.py run in a child process, its output (stdout and stderr) readable line by line."""
-    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE), "--max-steps", "100000",
-           "--out-dir", str(out)]
+    """A long train.py run in a child process, its output (stdout and stderr) readable line by
+    line."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(corpus), *map(str, BASE),
+           "--max-steps", "100000", "--out-dir", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -269,9 +287,11 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
 def test_two_process_gloo_matches_one_process_and_resumes_on_another_world_size(corpus, tmp_path):
     args = ["--data", corpus, *BASE, "--batch-size", "2", "--max-steps", 6, "--save-every", 3]
     run(*args, "--out-dir", tmp_path / "one")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           *map(str, args), "--max-steps", "3", "--out-dir", str(tmp_path / "two")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *map(str, args), "--max-steps", "3",
+           "--out-dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "world size 2" in proc.stdout and "2 ranks" in proc.stdout
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -289,21 +309,26 @@ def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
     out = tmp_path / "run"
     text = run("--data", corpus, *BASE, "--dry-run", "--out-dir", out)
     assert "step 2:" in text and "val loss" in text and not out.exists()
-    text = run("--data", corpus, *BASE, "--dtype", "bf16", "--dry-run", "--out-dir", out)  # CPU bf16 autocast
+    # CPU bf16 autocast
+    text = run("--data", corpus, *BASE, "--dtype", "bf16", "--dry-run", "--out-dir", out)
     assert "dtype bf16" in text and "step 2:" in text and not out.exists()
-    text = run("--data", "synthetic", *BASE, "--vocab-size", 300, "--max-steps", 2, "--out-dir", out)
+    text = run("--data", "synthetic", *BASE, "--vocab-size", 300, "--max-steps", 2,
+               "--out-dir", out)
     assert "SYNTHETIC" in text
 
 
 def test_the_header_names_the_mimo_rank(tmp_path):
-    args = ["--data", "synthetic", *BASE, "--vocab-size", 300, "--dry-run", "--out-dir", tmp_path / "run"]
-    model_line = lambda text: next(line for line in text.splitlines() if "parameters (" in line)  # noqa: E731
+    args = ["--data", "synthetic", *BASE, "--vocab-size", 300, "--dry-run", "--out-dir",
+            tmp_path / "run"]
+    model_line = lambda text: next(  # noqa: E731
+        line for line in text.splitlines() if "parameters (" in line)
     assert "vocab 300, mimo rank 4)" in model_line(run(*args, "--mimo-rank", 4))
     assert "mimo" not in model_line(run(*args))  # SISO: rank 1 is not named
 
 
 def test_blended_sources(corpus, tmp_path):
-    text = run("--data", f"{corpus}:3", "--data", f"{corpus}:1", *BASE, "--max-steps", 2, "--out-dir", tmp_path)
+    text = run("--data", f"{corpus}:3", "--data", f"{corpus}:1", *BASE, "--max-steps", 2,
+               "--out-dir", tmp_path)
     assert "(75% of the samples)" in text and "(25% of the samples)" in text
 
 
@@ -323,14 +348,16 @@ def test_clean_errors(corpus, tmp_path, extra, message):
     assert not out.exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("extra", [["--model", "huge"], ["--schedule", "linear"], ["--dtype", "fp8"],
-                                   ["--device", "tpu"], ["--seed", "-1"], ["--keep-last", "-1"], ["--save-every", "0"],
-                                   ["--eval-every", "0"], ["--eval-batches", "0"], ["--log-every", "0"],
-                                   ["--max-steps", "0"], ["--nan-guard", "-1"]])
+@pytest.mark.parametrize("extra", [
+    ["--model", "huge"], ["--schedule", "linear"], ["--dtype", "fp8"], ["--device", "tpu"],
+    ["--seed", "-1"], ["--keep-last", "-1"], ["--save-every", "0"], ["--eval-every", "0"],
+    ["--eval-batches", "0"], ["--log-every", "0"], ["--max-steps", "0"], ["--nan-guard", "-1"],
+])
 def test_flags_out_of_range_are_usage_errors(corpus, tmp_path, extra):
     out = tmp_path / "run"
     text = run("--data", corpus, *BASE, "--out-dir", out, *extra, expect=2)
-    assert f"Invalid value for '{extra[0]}'" in text and "Traceback" not in text and not out.exists()
+    assert (f"Invalid value for '{extra[0]}'" in text and "Traceback" not in text
+            and not out.exists())
 
 
 def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
@@ -340,9 +367,11 @@ def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
     assert "step 5" in text and not (tmp_path / "x").exists()  # a refused run leaves nothing behind
     out = tmp_path / "run"
     run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out)
-    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", expect=2)
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never",
+               expect=2)
     assert "already holds checkpoints" in text
-    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never", "--overwrite")
+    run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--resume", "never",
+        "--overwrite")
     moved = list(out.glob("previous-*/meta_step_2.json"))
     assert len(moved) == 1 and (out / "meta_step_2.json").exists()
 
@@ -350,8 +379,9 @@ def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
 def test_sample_greedy_equals_generate(corpus, tmp_path):
     out = tmp_path / "run"
     run("--data", corpus, *BASE, "--max-steps", 20, "--out-dir", out)
-    result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ", "--max-new-tokens", "40",
-                                        "--top-k", "1", "--temperature", "1.0"])
+    result = runner.invoke(sample.app, ["--out-dir", str(out), "--prompt", "def ",
+                                        "--max-new-tokens", "40", "--top-k", "1",
+                                        "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
     model, meta, step = official.load_model(out)
     tokenizer = data.load_tokenizer(meta["tokenizer"], out)
@@ -365,16 +395,19 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
 
 
 def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
-    # a model trained with --vocab-size 2000 on byte data: an untrained one puts most mass on ids 257..1999
+    # a model trained with --vocab-size 2000 on byte data: an untrained one puts most mass on
+    # ids 257..1999
     from model import PRESETS
 
     model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=2000))
     ckpt.save(tmp_path, 1, model, None, {"tokenizer": {"name": "byte"}})
-    result = runner.invoke(sample.app, ["--out-dir", str(tmp_path), "--max-new-tokens", "30", "--temperature", "1"])
+    result = runner.invoke(sample.app, ["--out-dir", str(tmp_path), "--max-new-tokens", "30",
+                                        "--temperature", "1"])
     assert result.exit_code == 0, result.output
 
 
-def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(corpus, tmp_path, monkeypatch):
+def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else(
+        corpus, tmp_path, monkeypatch):
     src = tmp_path / "src"
     run("--data", corpus, *BASE, "--max-steps", 6, "--out-dir", src)
     official.export(src, tmp_path / "export")
@@ -391,18 +424,24 @@ def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else
         first.clear()
         out = tmp_path / f"from-{path.name}"
         text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out, "--init-from", path)
-        assert f"init from  {path}" in text and "tiny" in text  # the recipe of the preset of that shape
-        for k, v in first["params"].items():  # exactly the source's weights (an export drops the padding rows)
+        # the recipe of the preset of that shape
+        assert f"init from  {path}" in text and "tiny" in text
+        # exactly the source's weights (an export drops the padding rows)
+        for k, v in first["params"].items():
             want = source[k] if "embed" not in k and "lm_head" not in k else source[k][:257]
             assert torch.equal(v if v.shape == want.shape else v[:257], want), k
         meta = json.loads((out / "meta_step_2.json").read_text())
-        assert meta["tokens_seen"] == 2 * 256 and meta["data"]["consumed"] == 2 * 8  # fresh data and schedule
+        # fresh data and schedule
+        assert meta["tokens_seen"] == 2 * 256 and meta["data"]["consumed"] == 2 * 8
         fresh = first["x"]
     first.clear()
     run("--data", corpus, *BASE, "--max-steps", 1, "--out-dir", tmp_path / "scratch")
     assert torch.equal(first["x"], fresh)  # the same data order as a run from scratch
-    for extra, message in ((["--model", "small"], "may not change it"), (["--vocab-size", "300"], "may not change it")):
-        text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from", src, *extra, expect=2)
+    for extra, message in ((["--model", "small"], "may not change it"),
+                           (["--vocab-size", "300"], "may not change it")):
+        text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from", src,
+                   *extra, expect=2)
         assert message in text and not (tmp_path / "x").exists()
-    text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from", tmp_path / "nowhere", expect=2)
+    text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from",
+               tmp_path / "nowhere", expect=2)
     assert "expected a train.py run directory" in text
