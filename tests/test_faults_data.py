@@ -251,7 +251,8 @@ def test_a_jsonl_text_field_that_is_not_a_string_says_what_it_is(tmp_path, value
      "expected splits.val.max_token_id to be a whole number >= 0, found 3.5"),
     (lambda m: m.pop("eos_id"), "expected eos_id to be a whole number >= 0, found no such field"),
     (lambda m: m.update(tokenizer={"name": "file"}),
-     'expected tokenizer to be an object, naming its "file" if its "name" is "file", found {"name": "file"}'),
+     'expected tokenizer to be an object, naming its "file" if its "name" is "file", '
+     'found {"name": "file"}'),
 ])
 def test_a_hand_edited_manifest_field_of_the_wrong_type(corpus, tmp_path, edit, message):
     d = tmp_path / "data"
