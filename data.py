@@ -41,7 +41,8 @@ MANIFEST_VERSION = 1
 # hand-edited manifest is one message naming the field, never a TypeError deep in a reader.
 _COUNT = ("a whole number >= 0", lambda v: type(v) is int and v >= 0)
 _OBJECT = ("an object", lambda v: isinstance(v, dict))
-_NAME = lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""  # noqa: E731 (in DIR)
+# a file name inside the manifest's directory: no path, not "." or ".."
+_NAME = lambda v: isinstance(v, str) and "/" not in v and v.strip(".") != ""  # noqa: E731
 _TOKENIZER = ('an object, naming its "file" if its "name" is "file"',
               lambda v: isinstance(v, dict) and (v.get("name") != "file" or _NAME(v.get("file"))))
 MANIFEST_FIELDS = {"dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
