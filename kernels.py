@@ -450,16 +450,15 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
         ex = tl.exp(-2.0 * tl.abs(ang))  # tanh without overflow
         th = tl.where(ang < 0, -1.0, 1.0) * (1.0 - ex) / (1.0 + ex)
         v = tl.where(first[:, None], (_PI * th) * dt[:, None], 0.0)
-        if HAS_RESET:
-            Phi = _seg_cumsum(v, seg, False)
-        else:
-            Phi = tl.cumsum(v, 0)
+        Phi = _seg_cumsum(v, seg, False, HAS_RESET)
         return th, Phi + tl.where((seg == 0)[:, None], carry[None, :], 0.0)
 
     @triton.jit
-    def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
+    def _seg_cumsum(v, seg, REVERSE: tl.constexpr, HAS_RESET: tl.constexpr):
         # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
-        # (a product with the segment mask, a float32 dot on FMA units, spilled)
+        # (a product with the segment mask, a float32 dot on FMA units, spilled); one without resets
+        if not HAS_RESET:
+            return tl.cumsum(v, 0, reverse=REVERSE)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -741,10 +740,7 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
             # the carry: the last token's phase; dv_j (v = theta dt): dPhi from j on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
-            if HAS_RESET:
-                dv = _seg_cumsum(dPhi, seg, True)
-            else:
-                dv = tl.cumsum(dPhi, 0, reverse=True)
+            dv = _seg_cumsum(dPhi, seg, True, HAS_RESET)
             dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
             dangle = dv * sc.dt[:, None] * _PI * (1.0 - th * th)
             tl.store(share + 2 * R * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
