@@ -661,7 +661,8 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
-            M = tl.where(tok[:, None] == tok[None, :], _over_w(sc.gamma, w)[:, None], decay)
+            own = tok[:, None] == tok[None, :]  # a token's own R x R block
+            M = tl.where(own, _over_w(sc.gamma, w)[:, None], decay)
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
@@ -708,7 +709,6 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             if R == 1:
                 dg = dYX * qk
             else:  # the token's own block of dM o (Q K^T), Q K^T = (Q Kw^T) / w there
-                own = tok[:, None] == tok[None, :]
                 dg = _over_w(tl.sum(tl.where(own, dM * scores, 0.0), axis=1), w)
             Rw = tl.where(tok[None, :] < tok[:, None], dM * MS, 0.0)
             col = tl.sum(Rw, axis=0)
@@ -752,7 +752,6 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
             dgamma = dg + dw
             if R > 1:  # summed over each token's rows, on each of them
-                own = tok[:, None] == tok[None, :]
                 dgamma = tl.sum(tl.where(own, dgamma[None, :], 0.0), axis=1)
             # dw summed over the rows of the token before each row's (0 on the first)
             dbeta = tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, dw[None, :], 0.0), axis=1)
