@@ -351,11 +351,10 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             cut = 0xFFFFE000
             a = (a.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
             b = (b.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
-        if acc is None:
-            ab = tl.dot(a, b, input_precision=PREC)
+        if acc is None:  # (a static if: the else is not traced, where acc.dtype would fail)
+            return tl.dot(a, b, input_precision=PREC)
         else:  # out_dtype: Triton 3.6 would assume float32
-            ab = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
-        return ab
+            return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     @triton.jit
     def _at(v, i, k):
