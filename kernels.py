@@ -322,9 +322,8 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
-    _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    _INTERPRETED = tl.constexpr(_INTERPRET)
-    if _INTERPRET and _version(triton.__version__) < (3, 7):
+    _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)  # what triton.jit decides by
+    if _INTERPRETED and _version(triton.__version__) < (3, 7):
         # Triton 3.6's interpreter takes int() of a 1-element array for a loop bound (NumPy refuses)
         from triton.runtime import interpreter as _interpreter
 
