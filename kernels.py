@@ -322,9 +322,8 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # TRITON_INTERPRET=1 (read at import) runs the kernels as numpy on CPU tensors, as the tests do
-    _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    _INTERPRETED = tl.constexpr(_INTERPRET)
-    if _INTERPRET and _version(triton.__version__) < (3, 7):
+    _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)  # what triton.jit decides by
+    if _INTERPRETED and _version(triton.__version__) < (3, 7):
         # Triton 3.6's interpreter takes int() of a 1-element array for a loop bound (NumPy refuses)
         from triton.runtime import interpreter as _interpreter
 
@@ -351,11 +350,10 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             cut = 0xFFFFE000
             a = (a.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
             b = (b.to(tl.uint32, bitcast=True) & cut).to(tl.float32, bitcast=True)
-        if acc is None:
-            ab = tl.dot(a, b, input_precision=PREC)
+        if acc is None:  # (a static if: the else is not traced, where acc.dtype would fail)
+            return tl.dot(a, b, input_precision=PREC)
         else:  # out_dtype: Triton 3.6 would assume float32
-            ab = tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
-        return ab
+            return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
     @triton.jit
     def _at(v, i, k):
@@ -450,16 +448,15 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
         ex = tl.exp(-2.0 * tl.abs(ang))  # tanh without overflow
         th = tl.where(ang < 0, -1.0, 1.0) * (1.0 - ex) / (1.0 + ex)
         v = tl.where(first[:, None], (_PI * th) * dt[:, None], 0.0)
-        if HAS_RESET:
-            Phi = _seg_cumsum(v, seg, False)
-        else:
-            Phi = tl.cumsum(v, 0)
+        Phi = _seg_cumsum(v, seg, False, HAS_RESET)
         return th, Phi + tl.where((seg == 0)[:, None], carry[None, :], 0.0)
 
     @triton.jit
-    def _seg_cumsum(v, seg, REVERSE: tl.constexpr):
+    def _seg_cumsum(v, seg, REVERSE: tl.constexpr, HAS_RESET: tl.constexpr):
         # v's (C, NH) running sum inside each segment, either way: a scan of (segment, sum) pairs
-        # (a product with the segment mask, a float32 dot on FMA units, spilled)
+        # (a product with the segment mask, a float32 dot on FMA units, spilled); one without resets
+        if not HAS_RESET:
+            return tl.cumsum(v, 0, reverse=REVERSE)
         segs = tl.broadcast_to(seg[:, None], v.shape)
         if REVERSE:
             return tl.associative_scan((segs, v), 0, _first_segment, reverse=True)[1]
@@ -662,7 +659,8 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             Se, So = states.load([row, 0]), states.load([row, NH])
             # the gate and the D skip: out = (y + D x) * z * sigmoid(z); y recomputed
             decay, e, f, a = _decays(sc.cs, seg, start, i, tok, C)
-            M = tl.where(tok[:, None] == tok[None, :], _over_w(sc.gamma, w)[:, None], decay)
+            own = tok[:, None] == tok[None, :]  # a token's own R x R block
+            M = tl.where(own, _over_w(sc.gamma, w)[:, None], decay)
             scores = _dot(Qe, tl.trans(Kwe), DT, PREC) + _dot(Qo, tl.trans(Kwo), DT, PREC)
             QS = _dot(Qe, tl.trans(Se), DT, PREC) + _dot(Qo, tl.trans(So), DT, PREC)
             MS = M * scores
@@ -709,7 +707,6 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             if R == 1:
                 dg = dYX * qk
             else:  # the token's own block of dM o (Q K^T), Q K^T = (Q Kw^T) / w there
-                own = tok[:, None] == tok[None, :]
                 dg = _over_w(tl.sum(tl.where(own, dM * scores, 0.0), axis=1), w)
             Rw = tl.where(tok[None, :] < tok[:, None], dM * MS, 0.0)
             col = tl.sum(Rw, axis=0)
@@ -741,10 +738,7 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             _pairs_store(share + R * N + 2 * j[None, :], dCe, dCo, nm)
             # the carry: the last token's phase; dv_j (v = theta dt): dPhi from j on, in j's segment
             dPhi += tl.where((i == C - 1)[:, None], dcarry[None, :], 0.0)
-            if HAS_RESET:
-                dv = _seg_cumsum(dPhi, seg, True)
-            else:
-                dv = tl.cumsum(dPhi, 0, reverse=True)
+            dv = _seg_cumsum(dPhi, seg, True, HAS_RESET)
             dcarry = tl.sum(tl.where((seg == 0)[:, None], dPhi, 0.0), axis=0)
             dangle = dv * sc.dt[:, None] * _PI * (1.0 - th * th)
             tl.store(share + 2 * R * N + j[None, :], dangle.to(part_ptr.dtype.element_ty),
@@ -756,7 +750,6 @@ if triton is not None and _version(triton.__version__) >= _version(TRITON_NEEDED
             sc = _scalars(rows, t, valid, first, s_l, L, h, dt_bias, A_floor, H, G, P, N, R, ACC)
             dgamma = dg + dw
             if R > 1:  # summed over each token's rows, on each of them
-                own = tok[:, None] == tok[None, :]
                 dgamma = tl.sum(tl.where(own, dgamma[None, :], 0.0), axis=1)
             # dw summed over the rows of the token before each row's (0 on the first)
             dbeta = tl.sum(tl.where(tok[:, None] == tok[None, :] + 1, dw[None, :], 0.0), axis=1)
