@@ -279,7 +279,7 @@ class TokenSource:
         # plain ndarray views: slicing one is several times cheaper than slicing a memmap
         self.tokens = [np.memmap(f, self.dtype, "r").view(np.ndarray) for f in self.files]
         self.starts = np.cumsum([0, *map(len, self.tokens)], dtype=np.int64)
-        self.num_tokens = int(self.starts[-1])  # (0: Batches and val_batches refuse it)
+        self.num_tokens = int(self.starts[-1])  # (0: Batches refuses it, train.py evaluates none)
         self.recorded = max_token_id is not None  # trusted, so that a run starts at once
         self._range = (0, max_token_id) if self.recorded else None
         self.unchecked, self._vocab, self._rows = set(), None, {}
