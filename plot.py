@@ -11,16 +11,13 @@ import json
 from pathlib import Path
 from typing import List
 
-import matplotlib
+import typer
+from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
+from matplotlib.ticker import EngFormatter
+from rich.console import Console
 
-matplotlib.use("Agg")  # before pyplot is imported: render to files only
-import matplotlib.pyplot as plt  # noqa: E402
-import typer  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
-from matplotlib.ticker import EngFormatter  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from data import cli_errors  # noqa: E402
+from data import cli_errors
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -75,8 +72,8 @@ def series(records, key):
 
 def plot(runs: dict, out: Path):
     """Draw {name: read_metrics(...)} as three panels sharing the tokens axis, saved to `out`."""
-    fig, (ax_loss, ax_lr, ax_speed) = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
-                                                   gridspec_kw={"height_ratios": [2, 1, 1]})
+    fig = Figure(figsize=(9, 9))
+    ax_loss, ax_lr, ax_speed = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
     for i, (name, m) in enumerate(runs.items()):
         color = f"C{i}"
         ax_loss.plot(*series(m["train"], "loss"), color=color, label=f"{name} train")
@@ -95,7 +92,6 @@ def plot(runs: dict, out: Path):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 @app.command()
