@@ -41,13 +41,12 @@ def read_metrics(run_dir: Path) -> dict:
             except json.JSONDecodeError as e:
                 raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found "
                                 f"invalid JSON ({e})") from None
-            kind = rec.get("kind") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or (kind in by_step
-                                             and not isinstance(rec.get("step"), int)):
+            if isinstance(rec, dict) and rec.get("kind") not in ("train", "eval"):
+                continue  # an event (or any other kind, a list even): not drawn
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
                                 f"with an integer step), found {line[:80]!r}")
-            if kind in by_step:
-                by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's
+            by_step[rec["kind"]][rec["step"]] = rec  # a redone step replaces the first attempt's
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     if untold := [r for r in metrics["train"] + metrics["eval"] if "tokens" not in r]:
         config = run_dir / "config.json"  # an older run's: tokens per step from its config
