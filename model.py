@@ -173,8 +173,6 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
