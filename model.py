@@ -292,7 +292,6 @@ class Mamba3LM(nn.Module):
         """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence, in place."""
         return self.prefill(tokens[:, None], cache, impl="recurrent")
 
-    @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Yield (B,) tokens: prefill idx (B, L), then decode one by one (temperature 0: greedy)."""
         cache = self.init_cache(idx.shape[0])
@@ -303,7 +302,6 @@ class Mamba3LM(nn.Module):
             if i + 1 < max_new_tokens:
                 logits = self.step(token, cache)
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """idx (B, L) -> (B, L + max_new_tokens)."""
         new = list(self.stream(idx, max_new_tokens, temperature, top_k, generator))
