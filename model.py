@@ -173,8 +173,6 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """h = h + Mixer(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h))."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -294,7 +292,6 @@ class Mamba3LM(nn.Module):
         """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence, in place."""
         return self.prefill(tokens[:, None], cache, impl="recurrent")
 
-    @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Yield (B,) tokens: prefill idx (B, L), then decode one by one (temperature 0: greedy)."""
         cache = self.init_cache(idx.shape[0])
@@ -305,7 +302,6 @@ class Mamba3LM(nn.Module):
             if i + 1 < max_new_tokens:
                 logits = self.step(token, cache)
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """idx (B, L) -> (B, L + max_new_tokens)."""
         new = list(self.stream(idx, max_new_tokens, temperature, top_k, generator))

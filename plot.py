@@ -11,16 +11,13 @@ import json
 from pathlib import Path
 from typing import List
 
-import matplotlib
+import typer
+from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.figure import Figure  # not pyplot: no GUI backend, no global figure to close
+from matplotlib.ticker import EngFormatter
+from rich.console import Console
 
-matplotlib.use("Agg")  # before pyplot is imported: render to files only
-import matplotlib.pyplot as plt  # noqa: E402
-import typer  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
-from matplotlib.ticker import EngFormatter  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from data import cli_errors  # noqa: E402
+from data import cli_errors
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -44,13 +41,12 @@ def read_metrics(run_dir: Path) -> dict:
             except json.JSONDecodeError as e:
                 raise PlotError(f"{path}:{lineno}: expected one JSON object per line, found "
                                 f"invalid JSON ({e})") from None
-            kind = rec.get("kind") if isinstance(rec, dict) else None
-            if not isinstance(rec, dict) or (kind in by_step
-                                             and not isinstance(rec.get("step"), int)):
+            if isinstance(rec, dict) and rec.get("kind") not in ("train", "eval"):
+                continue  # an event (or any other kind, a list even): not drawn
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 raise PlotError(f"{path}:{lineno}: expected a JSON object (train and eval records "
                                 f"with an integer step), found {line[:80]!r}")
-            if kind in by_step:
-                by_step[kind][rec["step"]] = rec  # a redone step replaces the first attempt's
+            by_step[rec["kind"]][rec["step"]] = rec  # a redone step replaces the first attempt's
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     if untold := [r for r in metrics["train"] + metrics["eval"] if "tokens" not in r]:
         config = run_dir / "config.json"  # an older run's: tokens per step from its config
@@ -75,8 +71,8 @@ def series(records, key):
 
 def plot(runs: dict, out: Path):
     """Draw {name: read_metrics(...)} as three panels sharing the tokens axis, saved to `out`."""
-    fig, (ax_loss, ax_lr, ax_speed) = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
-                                                   gridspec_kw={"height_ratios": [2, 1, 1]})
+    fig = Figure(figsize=(9, 9))
+    ax_loss, ax_lr, ax_speed = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
     for i, (name, m) in enumerate(runs.items()):
         color = f"C{i}"
         ax_loss.plot(*series(m["train"], "loss"), color=color, label=f"{name} train")
@@ -95,7 +91,6 @@ def plot(runs: dict, out: Path):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 @app.command()

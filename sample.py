@@ -3,7 +3,6 @@ at a time with the O(1) recurrent step, streaming the text as it comes.
 
     python sample.py --out-dir out --prompt "def " --max-new-tokens 300 --temperature 0.8 --top-k 50
 """
-import sys
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -18,21 +17,19 @@ from official import check_impl, load_model
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich")
 
 
-def stream_text(tokens, tokenizer, out=None):
-    """Print the text of `tokens` (model.stream's) as they come, up to the end-of-text token;
-    returns their ids. A multi-byte character split across tokens shows once, whole."""
-    out, ids, shown = out or sys.stdout, [], 0  # (sys.stdout now: a test may have replaced it)
+def stream_text(tokens, tokenizer):
+    """Print the text of `tokens` (model.stream's) as they come, up to the end-of-text token. A
+    multi-byte character split across tokens shows once, whole."""
+    ids, shown = [], 0
     for token in tokens:
         if int(token[0]) == tokenizer.eos_id:
             break
         ids.append(int(token[0]))
         text = tokenizer.decode(ids)
         end = len(text.rstrip("\ufffd"))  # hold back a character that is still incomplete
-        out.write(text[shown:end])
-        out.flush()
+        print(text[shown:end], end="", flush=True)
         shown = end
-    out.write(tokenizer.decode(ids)[shown:] + "\n")
-    return ids
+    print(tokenizer.decode(ids)[shown:])
 
 
 @app.command()
@@ -68,7 +65,7 @@ def main(
         for i in range(num_samples):
             if num_samples > 1:
                 print(f"--- sample {i + 1} (step {step})")
-            sys.stdout.write(prompt)
+            print(prompt, end="")
             stream_text(model.stream(idx, max_new_tokens, temperature, top_k, generator), tokenizer)
 
 

@@ -32,7 +32,7 @@ def two_runs(tmp_path):
     logs its own tokens."""
     first = [train(s, 5 - s / 50) for s in range(10, 70, 10)]
     first += [dict(kind="eval", step=50, val_loss=4.2)]
-    redone = [dict(kind="event", event="checkpoint", step=40), train(50, 3.5),
+    redone = [dict(kind="event", event="checkpoint", step=40), dict(kind=["?"]), train(50, 3.5),
               dict(kind="eval", step=50, val_loss=3.9),
               train(60, None), train(70, 3.3), dict(kind="eval", step=70, val_loss=3.6)]
     write_run(tmp_path / "resumed", first + redone)
