@@ -158,7 +158,8 @@ def test_mixer_float32_long_sequence(exact_float32):
 # to 1, not selected
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 def test_mixer_extreme_decays_stay_finite(dt_shift, exact_float32):
-    zx, params, reset, sizes = mixer_case(2, 130, 1, 16, 1, 16, 4, 64, True)  # (one head: each its own program)
+    # one head (the interpreter runs a program per head; heads do not meet)
+    zx, params, reset, sizes = mixer_case(2, 130, 1, 16, 1, 16, 4, 64, True)
     params[0] = params[0] + dt_shift
     ref = run_mixer(kernels.mixer_torch, zx, params, reset, sizes)
     out = run_mixer(kernels.mixer_triton, zx.float(), [p.float() for p in params], reset, sizes)
