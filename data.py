@@ -1,19 +1,20 @@
 """Token sources and the batches a training step sees.
 
-Sources: `open_tokens(path, split)` opens a path of any format of FORMAT_OPENERS, the one list
-of them (FORMATS says it in words, for messages and help), as one token stream: its files in
-order, through memory maps.
+Sources: `open_tokens(path, split)` opens a path of any format of FORMAT_OPENERS, the one
+list of them (FORMATS says it in words, for messages and help), as one token stream: its
+files in order, through memory maps.
 
 Windows and order: sample i of a stream is tokens [i*L, i*L + L + 1), inputs the first L,
 targets the last L; a stream of T tokens has (T - 1) // L windows. Each epoch is a fresh
-permutation of all windows, a pure function of (seed, source, epoch). Global sample g is the
-g-th entry of that endless sequence; optimizer step s consumes global samples [s*G, (s+1)*G),
-and micro-step m on rank r takes the slice from s*G + (m*world_size + r)*micro_batch. The whole
-loader state is therefore the count of consumed samples (plus, when blending, how many of them
-came from each source).
+permutation of all windows, a pure function of (seed, source, epoch). Global sample g is
+the g-th entry of that endless sequence. Optimizer step s consumes global samples
+[s*G, (s+1)*G), and micro-step m on rank r takes the slice from
+s*G + (m*world_size + r)*micro_batch. The whole loader state is therefore the count of
+consumed samples (plus, when blending, how many of them came from each source).
 
-The file helpers and the tokenizers live here too, so that every tool writes files and reports
-errors alike; torch is imported only where tensors are made: prepare.py starts in a blink.
+The file helpers and the tokenizers live here too, so that every tool writes files and
+reports errors alike. torch is imported only where tensors are made, so prepare.py
+starts in a blink.
 """
 import codecs
 import contextlib
@@ -38,7 +39,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class DataError(ValueError):
-    """Bad input data. The message names the file, what was expected and what was found."""
+    """Bad input data: the message names the file, what was expected and what was found."""
 
 
 class NoSplit(DataError):
@@ -70,9 +71,9 @@ def _is_tokenizer(v):
 
 
 # The manifest holds {"format", "version", MANIFEST_FIELDS, "stats"}, its "splits" are
-# {name: SPLIT_FIELDS}, and each split's "shards" a list of SHARD_FIELDS. Each field is (what it
-# must hold, in words; its test), so that a hand-edited manifest is one message naming the
-# field, never a TypeError deep in a reader.
+# {name: SPLIT_FIELDS}, and each split's "shards" a list of SHARD_FIELDS. Each field is
+# (what it must hold, in words; its test), so that a hand-edited manifest is one message
+# naming the field, never a TypeError deep in a reader.
 COUNT = ("a whole number >= 0", _is_count)
 MANIFEST_FIELDS = {
     "dtype": ('"uint16" or "uint32"', lambda v: v in ("uint16", "uint32")),
@@ -102,7 +103,7 @@ _TOTALS = {"tokens": sum, "documents": sum, "max_token_id": max}
 def split_totals(shards) -> dict:
     """A split's tokens, documents and max_token_id from its shards' entries.
 
-    Readers trust these totals, so prepare.py writes them and read_manifest checks them."""
+    Readers trust them: prepare.py writes them, and read_manifest checks them."""
     totals = {}
     for key, total in _TOTALS.items():
         totals[key] = total([0] + [shard[key] for shard in shards])
@@ -110,7 +111,9 @@ def split_totals(shards) -> dict:
 
 
 def shard_problem(f, shard, dtype):
-    """What is wrong with shard file `f` before it is read (manifest entry `shard`), or None."""
+    """What is wrong with shard file `f` (manifest entry `shard`) before it is read.
+
+    None when nothing is."""
     if not f.is_file():
         return f"{f}: listed in {MANIFEST} but missing"
     size = f.stat().st_size
@@ -139,7 +142,10 @@ def sha256(path) -> str:
 
 
 def write_atomic(path, data: bytes):
-    """Write `path` whole or not at all: a temporary beside it, fsync, rename, fsync the dir."""
+    """Write `path` whole or not at all.
+
+    A temporary beside it is written and fsynced, renamed over it, and the directory
+    fsynced."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -154,20 +160,20 @@ def write_atomic(path, data: bytes):
 
 
 def replace_dir(out, fill, ours):
-    """Put the directory fill(stage) builds in place of `out`, so that a kill at any instant
-    loses neither.
+    """Put the directory fill(stage) builds in place of `out`, so that a kill at any
+    instant loses neither.
 
-    `out` moves to `.NAME.old`, `.NAME.stage` takes its place, what ours(old) does not claim
-    (a user's files) moves into the new one, and the old one goes. The holder of `.NAME.lock`
-    (a flock, released however its holder ends) knows that a stage or old directory it finds
-    is a dead run's."""
+    `out` moves to `.NAME.old`, `.NAME.stage` takes its place, what ours(old) does not
+    claim (a user's files) moves into the new one, and the old one goes. The holder of
+    `.NAME.lock` (a flock, released however its holder ends) knows that a stage or old
+    directory it finds is a dead run's."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.stage"
     old = out.parent / f".{out.name}.old"
 
     def settle():
-        # A stage goes. An old directory goes back when there is no `out`, else it is retired.
+        # A stage goes. An old directory goes back when `out` is gone, else it retires.
         shutil.rmtree(stage, ignore_errors=True)
         if old.exists() and not out.exists():
             os.rename(old, out)
@@ -183,6 +189,7 @@ def replace_dir(out, fill, ours):
             fsync(out.parent)
 
     with open(out.parent / f".{out.name}.lock", "a") as lock:
+        # The lock is taken without waiting: a second writer is told at once, not queued.
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -193,13 +200,15 @@ def replace_dir(out, fill, ours):
         try:
             stage.mkdir()
             result = fill(stage)
+            # The new directory is durable before it takes the old one's place.
             fsync(stage)
+            # Each rename is atomic; a kill between the two leaves `old` for settle().
             if out.exists():
                 os.rename(out, old)
             os.rename(stage, out)
             fsync(out.parent)
         finally:
-            # After a failure too: `out` is the old directory or the new one, never neither.
+            # After a failure too: `out` is the old directory or the new one.
             settle()
     return result
 
@@ -210,8 +219,10 @@ def _one_line_warning(message, *args, **kwargs):
 
 @contextlib.contextmanager
 def cli_errors(*expected):
-    """The body of a command-line tool: an `expected` exception becomes one red paragraph on
-    stderr (rank 0's only) and exit status 2, Ctrl-C exit 130; warnings print as one line."""
+    """The body of a command-line tool.
+
+    An `expected` exception becomes one red paragraph on stderr (rank 0's only) and exit
+    status 2, Ctrl-C exit 130. Warnings print as one line."""
     import typer
     from rich.console import Console
     from rich.markup import escape
@@ -219,6 +230,7 @@ def cli_errors(*expected):
     try:
         yield
     except expected as e:
+        # Under torchrun every rank fails alike: rank 0 alone prints the paragraph.
         quiet = os.environ.get("RANK", "0") != "0"
         err = Console(stderr=True, highlight=False, quiet=quiet)
         err.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
@@ -228,16 +240,18 @@ def cli_errors(*expected):
 
 
 # -----------------------------------------------------------------------------
-# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray, decode(ids),
-# eos_id, vocab_size and spec (JSON-serialisable: load_tokenizer(spec) rebuilds the same one)
+# tokenizers: each has encode(str) -> list[int], encode_array(str) -> np.ndarray,
+# decode(ids), eos_id, vocab_size and spec (JSON-serialisable: load_tokenizer(spec)
+# rebuilds the same one)
 
 # The end-of-document tokens looked for in a tokenizer file, in order.
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
 
 class ByteTokenizer:
-    """The 256 byte values of UTF-8 text, plus EOS = 256: needs nothing, trains fastest on a
-    CPU."""
+    """The 256 byte values of UTF-8 text, plus EOS = 256.
+
+    It needs nothing, and trains fastest on a CPU."""
     spec = {"name": "byte"}
     vocab_size = 257
     eos_id = 256
@@ -256,8 +270,8 @@ class ByteTokenizer:
 
 class BPETokenizer:
     """GPT-2's BPE (a tiktoken Encoding) or a tokenizer.json (a tokenizers.Tokenizer), as
-    load_tokenizer builds them; "<|endoftext|>" in a text is text. Picklable, as workers
-    need."""
+    load_tokenizer builds them; "<|endoftext|>" in a text is text. Workers need it
+    picklable, and it is."""
 
     def __init__(self, spec, bpe, eos_id, vocab_size):
         self.spec = spec
@@ -270,10 +284,12 @@ class BPETokenizer:
             bpe.encode_special_tokens = True
 
     def __reduce__(self):
-        # A pickled tokenizers.Tokenizer forgets encode_special_tokens: __init__ sets it again.
+        # A pickled tokenizers.Tokenizer forgets encode_special_tokens: __init__ sets it.
         return BPETokenizer, (self.spec, self._bpe, self.eos_id, self.vocab_size)
 
     def encode(self, text):
+        # Text only: tiktoken's encode_ordinary reads no special token; a tokenizer file
+        # adds none (add_special_tokens=False) and reads none (encode_special_tokens).
         if self._file:
             return self._bpe.encode(text, add_special_tokens=False).ids
         return self._bpe.encode_ordinary(text)
@@ -288,6 +304,7 @@ class BPETokenizer:
 
 
 def _load_gpt2():
+    # Imported here, where it is used: --help and refusals need not wait for it.
     import tiktoken
     try:
         enc = tiktoken.get_encoding("r50k_base")
@@ -306,6 +323,7 @@ def _load_tokenizer_file(spec, path):
     if spec.get("sha256") and sha256(path) != spec["sha256"]:
         raise DataError(f"{path}: expected sha256 {spec['sha256']} (per the tokenizer spec), "
                         "found another file")
+    # Imported here, where it is used: --help and refusals need not wait for it.
     from tokenizers import Tokenizer
     try:
         tok = Tokenizer.from_file(str(path))
@@ -327,9 +345,9 @@ def _load_tokenizer_file(spec, path):
 
 def load_tokenizer(spec: dict, directory=None, path=None):
     """Rebuild a tokenizer from its spec: {"name": "byte"}, {"name": "gpt2"}, or
-    {"name": "file", "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with the file
-    in `directory` (or at `path`); its EOS: spec["eos_token"], else the first of EOS_TOKENS
-    the file has."""
+    {"name": "file", "file": "tokenizer.json", "sha256": ..., "eos_token": ...} with
+    the file in `directory` (or at `path`); its EOS: spec["eos_token"], else the first
+    of EOS_TOKENS the file has."""
     # A manifest's tokenizer is an object: read_manifest checks it.
     name = spec.get("name")
     if name == "byte":
@@ -350,7 +368,7 @@ def load_tokenizer(spec: dict, directory=None, path=None):
 def _allow_open_files(n):
     """Raise the soft limit on open files to hold n memory maps, or refuse.
 
-    Each memory map holds a file descriptor, and thousands of shards pass the usual 1024."""
+    Each memory map holds a file descriptor: thousands of shards pass the usual 1024."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = n + 256
     # A limit of -1 is no limit.
@@ -380,9 +398,10 @@ def _check_token_bytes(f, dtype, offset):
 class TokenSource:
     """A token stream of memory-mapped files.
 
-    files: the files that hold tokens, in order; tokens[k]: files[k]'s tokens, read-only, which
-    start at stream position starts[k]. Each file's tokens begin `offset` bytes in, after a
-    header of its format. vocab_size, eos_id and tokenizer come from `manifest`, else None."""
+    files: the files that hold tokens, in order; tokens[k]: files[k]'s tokens,
+    read-only, which start at stream position starts[k]. Each file's tokens begin
+    `offset` bytes in, after a header of its format. vocab_size, eos_id and tokenizer
+    come from `manifest`, else None."""
 
     def __init__(self, path, files, dtype, max_token_id=None, manifest=None, offset=0):
         self.path = Path(path)
@@ -412,8 +431,10 @@ class TokenSource:
         self._range = None
         if self.recorded:
             self._range = (0, max_token_id)
+        # check_vocab sets the vocabulary, and the files to check at their first read.
         self.unchecked = set()
         self._vocab = None
+        # windows() keeps its sliding-window view of a single file here, one per seq_len.
         self._rows = {}
         # A manifest's shard hashes, by file name.
         self._sha256 = {}
@@ -422,7 +443,7 @@ class TokenSource:
                 self._sha256[shard["file"]] = shard["sha256"]
 
     def id_range(self) -> tuple:
-        """(smallest, largest) token id: the recorded range, else a scan of every file once."""
+        """(smallest, largest) token id: the recorded range, else a scan of the files."""
         if self._range is None:
             lo = min((t.min() for t in self.tokens), default=0)
             hi = max((t.max() for t in self.tokens), default=0)
@@ -439,9 +460,9 @@ class TokenSource:
     def check_vocab(self, vocab_size: int):
         """Refuse token ids outside [0, vocab_size).
 
-        A raw source is scanned now. A recorded range is checked now, and each file again at
-        its first read: a shard edited after prepare.py keeps its size, and a bad id must
-        never be an index error deep in a step."""
+        A raw source is scanned now. A recorded range is checked now, and each file
+        again at its first read: a shard edited after prepare.py keeps its size, and a
+        bad id must never be an index error deep in a step."""
         lo, hi = self.id_range()
         if lo < 0 or hi >= vocab_size:
             theirs = ""
@@ -457,7 +478,7 @@ class TokenSource:
             self.unchecked = set(range(len(self.files)))
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n): a view of the file when they lie in one, else a copy."""
+        """Tokens [start, start + n): a view when they lie in one file, else a copy."""
         if start < 0 or n < 0 or start + n > self.num_tokens:
             raise IndexError(f"read({start}, {n}) outside {self.path} "
                              f"({self.num_tokens} tokens)")
@@ -472,9 +493,9 @@ class TokenSource:
         return np.concatenate([np.empty(0, self.dtype)] + pieces)
 
     def windows(self, ids, seq_len: int, out=None) -> np.ndarray:
-        """Windows `ids` (see the module doc), (len(ids), seq_len + 1), in the source dtype or
-        written into `out` (C-contiguous, any dtype: Batches's int64 is converted as it
-        copies)."""
+        """Windows `ids` (see the module doc), (len(ids), seq_len + 1), in the source
+        dtype or written into `out` (C-contiguous, any dtype: Batches's int64 is
+        converted as it copies)."""
         ids = np.asarray(ids)
         n = seq_len + 1
         if self.unchecked:
@@ -516,7 +537,7 @@ class TokenSource:
         V = self._vocab
         for k in sorted(self.unchecked & touched):
             tokens = self.tokens[k]
-            # No id is below 0: only a manifest's uint16 and uint32 files wait for this check.
+            # No id is below 0: only a manifest's uint16 and uint32 files wait here.
             if tokens.max() >= V:
                 i = int(np.flatnonzero(tokens >= V)[0])
                 raise DataError(f"{self.files[k]}: token id {tokens[i]} at token offset {i} is "
@@ -531,14 +552,15 @@ check_vocab = TokenSource.check_vocab
 
 
 # -----------------------------------------------------------------------------
-# the formats: each opener takes (path, split, dtype: the one given, else uint16) and returns a
-# TokenSource, or None when the path is not of its format
+# the formats: each opener takes (path, split, dtype: the one given, else uint16) and
+# returns a TokenSource, or None when the path is not of its format
 
 
 def _check_fields(path, obj, fields, where):
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected {where.rstrip('.')} to be an object, found "
                         f"{json.dumps(obj)[:60]}")
+    # The first field that fails its test is the one the message names.
     for key, (what, ok) in fields.items():
         if key in obj and ok(obj[key]):
             continue
@@ -560,6 +582,7 @@ def read_manifest(directory) -> dict:
             found = "none"
         raise DataError(f"{path}: expected a JSON manifest (prepare.py writes it last), found "
                         f"{found}") from None
+    # Another tool's manifest, or a newer prepare.py's, is refused before its fields.
     for key, want in (("format", MANIFEST_FORMAT), ("version", MANIFEST_VERSION)):
         if isinstance(m, dict):
             found = m.get(key)
@@ -588,6 +611,7 @@ def _prepared(p, split, dtype):
         return None
     m = read_manifest(p)
     s = m["splits"].get(split)
+    # A split without tokens (--val-fraction 0) is no split: no validation then.
     if s is None or s["tokens"] == 0:
         have = [k for k, v in m["splits"].items() if v["tokens"] > 0]
         raise NoSplit(f"{p}: expected a {split!r} split, found only {have} (prepared with "
@@ -598,6 +622,7 @@ def _prepared(p, split, dtype):
         problem = shard_problem(f, shard, m["dtype"])
         if problem:
             raise DataError(f"{problem}; run `python prepare.py verify {p}`")
+    # One stream of the split's shards in the manifest's order, its max id trusted.
     return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
 
 
@@ -640,15 +665,25 @@ def _nanogpt_dir(p, split, dtype):
 
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+# The token type of each dtype code of the header.
+MEGATRON_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    8: np.uint16,
+}
 # magic, version, dtype code, sequences S, D = documents + 1
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")
 
 
 def _megatron(p, split, dtype):
-    """PREFIX.idx holds the header, int32 lengths[S], int64 byte pointers[S] and int64
-    document starts[D]: 34 + 12 S + 8 D bytes in all. PREFIX.bin holds the sequences' tokens
-    back to back."""
+    """A Megatron-LM indexed dataset, PREFIX.idx and PREFIX.bin.
+
+    PREFIX.idx holds the header, int32 lengths[S], int64 byte pointers[S] and int64
+    document starts[D]: 34 + 12 S + 8 D bytes in all. PREFIX.bin holds the sequences'
+    tokens, back to back."""
     prefix = p
     if p.suffix in (".bin", ".idx"):
         prefix = p.with_suffix("")
@@ -663,6 +698,7 @@ def _megatron(p, split, dtype):
     # The index can be large: map it, do not copy it.
     raw = np.memmap(idx, dtype=np.uint8, mode="r")
     magic, version, code, S, D = MEGATRON_HEADER.unpack_from(raw)
+    # The header is checked whole before any array is read past it.
     want_size = o + 12 * S + 8 * D
     checks = [
         (magic == MEGATRON_MAGIC, f"the magic {MEGATRON_MAGIC!r} of a Megatron index", magic),
@@ -674,6 +710,7 @@ def _megatron(p, split, dtype):
     for ok, want, found in checks:
         if not ok:
             raise DataError(f"{idx}: expected {want}, found {found}")
+    # The tokens are little-endian, whatever this machine's byte order.
     token = np.dtype(MEGATRON_DTYPES[code]).newbyteorder("<")
     # (S,) tokens per sequence
     lengths = np.frombuffer(raw, "<i4", S, o).astype(np.int64)
@@ -701,15 +738,16 @@ def _megatron(p, split, dtype):
 
 
 # A file with one of these suffixes holds text, whatever its bytes look like.
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv",
-                 ".html")
+TEXT_SUFFIXES = (
+    ".txt", ".md", ".py", ".json", ".jsonl", ".gz", ".parquet", ".csv", ".tsv", ".html",
+)
 
 
 def _reads_as_text(p) -> bool:
     """Whether the first 64 KiB of file p are printable UTF-8 text.
 
-    Token ids are almost never that: small ids hold zero bytes, large ones bytes that are not
-    UTF-8."""
+    Token ids almost never are: small ids hold zero bytes, large ones bytes that are
+    not UTF-8."""
     head = np.fromfile(p, np.uint8, 1 << 16).tobytes()
     # The incremental decoder allows a character cut at the end of the head.
     try:
@@ -737,16 +775,16 @@ def _raw_file(p, split, dtype):
 
 
 class Format(NamedTuple):
-    """A format open_tokens reads: what it is, in words; its opener; whether it has splits (if
-    not, it is one token stream: the train split)."""
+    """A format open_tokens reads: what it is, in words; its opener; whether it has
+    splits (if not, it is one token stream: the train split)."""
     what: str
     opener: Callable
     splits: bool
 
 
-# The formats, tried in this order. A new format is its opener and one line here; messages and
-# help list the formats through FORMATS. A format whose files begin with a header maps them
-# from an offset: TokenSource(path, files, dtype, offset=HEADER_BYTES).
+# The formats, tried in this order. A new format is its opener and one line here; messages
+# and help list the formats through FORMATS. A format whose files begin with a header maps
+# them from an offset: TokenSource(path, files, dtype, offset=HEADER_BYTES).
 FORMAT_OPENERS = [
     Format("a prepare.py directory (manifest.json)", _prepared, True),
     Format("a directory of shard_*.bin files", _shard_dir, False),
@@ -761,20 +799,24 @@ def _one_of(alternatives):
     return ", ".join(alternatives[:-1]) + ", or " + alternatives[-1]
 
 
-# The formats in words: "a prepare.py directory (manifest.json), ..., or a raw token file ...".
+# The formats in words: "a prepare.py directory (manifest.json), ..., or a raw ...".
 FORMATS = _one_of([fmt.what for fmt in FORMAT_OPENERS])
 
 
 def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
-    """Split `split` (train or val) of a path of any of the FORMATS; `dtype` where none is
-    recorded."""
+    """Split `split` (train or val) of a path of any of the FORMATS.
+
+    `dtype` is the token type of formats that record none."""
     p = Path(path)
+    # A dtype given is read little-endian, as every format writes its tokens.
     want = None
     if dtype is not None:
         want = np.dtype(dtype).newbyteorder("<")
     read_as = want
     if read_as is None:
         read_as = np.uint16
+    # The first format whose opener takes the path wins, so the order matters: a raw
+    # token file is the last resort.
     for fmt in FORMAT_OPENERS:
         source = fmt.opener(p, split, read_as)
         if source is None:
@@ -788,6 +830,7 @@ def open_tokens(path, split: str = "train", dtype=None) -> TokenSource:
             raise DataError(f"{p}: records dtype {source.dtype.name}, not the {want.name} "
                             "given")
         return source
+    # No format took the path: say what it holds, and what would have been read.
     if p.is_dir() and any(p.glob("train_*.bin")):
         raise DataError(f"{p}: has train_*.bin shards but no {MANIFEST}, the file prepare.py "
                         "writes last: an interrupted prepare.py run? Run prepare.py again")
@@ -823,8 +866,9 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
     """train.py's --data: paths, or PATH:WEIGHT to blend several, or ["synthetic"] (random
     tokens in a file under tmpdir).
 
-    Returns (train sources, weights or None, the first path's val source or None, vocab_size:
-    by default the first source's, else GPT-2's), each source checked against it."""
+    Returns (train sources, weights or None, the first path's val source or None,
+    vocab_size): vocab_size is by default the first source's, else GPT-2's, and each
+    source is checked against it."""
     if list(specs) == ["synthetic"]:
         vocab = vocab_size or 50257
         return [_synthetic(vocab, seed, tmpdir)], None, None, vocab
@@ -841,9 +885,11 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
         if first and source.tokenizer and source.tokenizer != first:
             raise DataError(f"--data {path}: made with the tokenizer {source.tokenizer}, "
                             f"{paths[0]} with {first}: blend data made with one tokenizer")
+    # The validation data is the first path's val split, when it has one.
     val = None
     with contextlib.suppress(NoSplit):
         val = open_tokens(paths[0], "val", dtype)
+    # Every source is checked against the model's vocabulary now, not at a bad batch.
     vocab = vocab_size or sources[0].vocab_size or 50257
     for source in sources:
         check_vocab(source, vocab)
@@ -860,10 +906,11 @@ def open_blend(specs, dtype=None, vocab_size=None, seed=0, tmpdir=None):
 
 @dataclasses.dataclass
 class BatchConfig:
-    """seq_len, global_batch (sequences a step on all ranks, a multiple of micro_batch *
-    world_size; default one micro-batch per rank) and seed define the sample sequence;
-    micro_batch, rank and world_size only which part this process takes (a resume may change
-    them)."""
+    """seq_len, global_batch and seed define the sample sequence; micro_batch, rank and
+    world_size only which part this process takes (a resume may change them).
+
+    global_batch is the sequences of a step on all ranks, a multiple of
+    micro_batch * world_size; by default one micro-batch per rank."""
     seq_len: int
     micro_batch: int
     global_batch: int | None = None
@@ -876,18 +923,19 @@ class BatchConfig:
 
 
 def _blend(consumed, counts, shares, lo, B, n):
-    """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at global
-    sample `consumed`, and the counts after.
+    """Source and per-source index of samples [lo, lo + B) of the n-sample micro-step at
+    global sample `consumed`, and the counts after.
 
-    Earliest deadline first among the sources not ahead of their share (weight a[k] / D:
-    eligible for sample g when c[k] < (g + 1) a[k] / D, deadline (c[k] + 1) / a[k]) keeps
-    every prefix within a sample of its shares; "largest deficit first" does not
-    (tests/test_data.py). The comparisons are in integers, cross-multiplied: Fractions cost 8x.
-    """
+    Earliest deadline first among the sources not ahead of their share keeps every
+    prefix within a sample of its shares; "largest deficit first" does not
+    (tests/test_data.py). With weight a[k] / D, source k is eligible for sample g when
+    c[k] < (g + 1) a[k] / D, and its deadline is (c[k] + 1) / a[k]. The comparisons are cross-multiplied integers: Fractions cost
+    8 times as much."""
     a, D = shares
     c = list(counts)
     # (source, its index) of each sample
     picks = []
+    # The samples of all ranks are assigned, so that the counts after are every rank's.
     for g in range(consumed, consumed + n):
         best = -1
         for k in range(len(c)):
@@ -905,10 +953,10 @@ SEQUENCE_KEYS = ("global_batch", "seq_len", "seed", "weights")
 
 
 class Batches:
-    """This rank's endless micro-batches (see the module doc): (x, y) int64 (micro_batch,
-    seq_len) views of one buffer, of `sources` blended by `weights`. A resume (load_state_dict)
-    may change world_size and micro_batch (elastic), never global_batch, seq_len, seed or the
-    blend."""
+    """This rank's endless micro-batches (see the module doc): (x, y) int64
+    (micro_batch, seq_len) views of one buffer, of `sources` blended by `weights`. A
+    resume (load_state_dict) may change world_size and micro_batch (elastic), never
+    global_batch, seq_len, seed or the blend."""
 
     def __init__(self, sources, cfg: BatchConfig, weights=None):
         if isinstance(sources, TokenSource):
@@ -921,6 +969,7 @@ class Batches:
         G = cfg.global_batch or B * world
         cfg = dataclasses.replace(cfg, global_batch=G)
         self.cfg = cfg
+        # A step's sequences are split evenly over the ranks and their micro-steps.
         if G % (B * world):
             good = max(1, round(G / (B * world))) * B * world
             raise DataError(f"global batch {G} sequences (--total-batch-size {G * L} / --seq-len "
@@ -928,6 +977,7 @@ class Batches:
                             f"world_size {world} = {B * world}; pick sizes where it is, for "
                             f"example --total-batch-size {good * L} ({good} sequences)")
         self.accum_steps = G // (B * world)
+        # Every source must hold one window at least.
         short = [s for s in self.sources if s.num_tokens <= L]
         if short:
             raise DataError(f"{short[0].path}: expected at least seq_len + 1 = {L + 1} tokens, "
@@ -969,6 +1019,7 @@ class Batches:
         # A build returns the state after it: what the caller has now taken.
         self._consumed = consumed
         self._counts = counts
+        # The next build runs while the caller trains on this one.
         if self._pool is not None:
             self._ahead = self._pool.submit(self._build, consumed, counts)
         return x, y
@@ -992,6 +1043,7 @@ class Batches:
                 raise DataError(f"loader state: saved with {key} = {state.get(key)}, but this "
                                 f"run has {key} = {mine[key]}: a resume must keep it, or start "
                                 "a fresh run")
+        # A build under way was made from the old state: it is dropped.
         self.close()
         # train.py saves between steps, so the count is of whole batches.
         self._consumed = int(state["consumed"])
@@ -1006,12 +1058,11 @@ class Batches:
             self._ahead = None
 
     def _build(self, consumed, counts):
-        """(x, y, the state after this micro-step of all ranks): a pure function of the
-        state."""
+        """(x, y, the state after this micro-step of all ranks), from the state alone."""
         import torch
         B = self.cfg.micro_batch
         L = self.cfg.seq_len
-        n = self.cfg.micro_batch * self.cfg.world_size
+        n = B * self.cfg.world_size
         # On CUDA the buffer is pinned, so that the copy can be asynchronous.
         cuda = str(self.cfg.device).startswith("cuda")
         if cuda:
@@ -1026,6 +1077,7 @@ class Batches:
             self.sources[0].windows(ids, L, out=g)
             counts = (counts[0] + n,)
         else:
+            # The source of each sample of this rank's slice, and its index there.
             src, first, counts = _blend(consumed, counts, self._shares, lo, B, n)
             for k in np.unique(src).tolist():
                 # Consecutive samples in source k's own order.
@@ -1036,7 +1088,7 @@ class Batches:
         if cuda:
             g = torch.from_numpy(g).to(self.cfg.device, non_blocking=True)
             return g[:, :-1], g[:, 1:], consumed + n, counts
-        # Slicing in NumPy and then wrapping costs a third of slicing a tensor: 15 us a batch.
+        # Slicing in NumPy, then wrapping, costs a third of slicing a tensor (15 us).
         x = torch.from_numpy(g[:, :-1])
         y = torch.from_numpy(g[:, 1:])
         return x, y, consumed + n, counts
@@ -1071,17 +1123,19 @@ def val_batches(source, cfg: BatchConfig, num_batches):
     """The fixed validation micro-batches (x, y): windows [0, B), [B, 2 B), ... up to
     `num_batches` full ones (or one smaller one when there are fewer windows than B).
 
-    Batch j goes to rank j % world_size: a rank may get one fewer, so sum losses and counts
-    across ranks, not means."""
+    Batch j goes to rank j % world_size: a rank may get one fewer, so sum losses and
+    counts across ranks, not means."""
     import torch
     B = cfg.micro_batch
     # train.py turns evaluation off below L + 1 tokens.
     L = cfg.seq_len
+    # The first n windows in batches of B; fewer than B windows make one batch.
     n = min(num_batches * B, (source.num_tokens - 1) // L)
     bounds = [(j * B, (j + 1) * B) for j in range(n // B)]
     if not bounds:
         bounds = [(0, n)]
     pin = str(cfg.device).startswith("cuda")
+    # Pinned memory lets the copy to the GPU overlap the work.
     for j in range(cfg.rank, len(bounds), cfg.world_size):
         windows = source.windows(np.arange(*bounds[j]), L)
         g = torch.from_numpy(windows.astype(np.int64))
