@@ -8,11 +8,11 @@
 
 Inputs: files or directories (searched recursively, sorted by path) of .txt, .md and .py
 files (a file is a document) and .jsonl files (a line is a document: its "text" field),
-each optionally gzipped, and .parquet files (a row is a document: its "text" column, a null
-an empty one); --text-field names another field or column. Each document ends with the
-tokenizer's EOS id; every 1/f-th goes to the validation split (_is_val says which), the
-rest to train, each split cut at document ends into shards of about --shard-tokens tokens.
---workers processes tokenize in bounded memory and in input order: the output is
+each optionally gzipped, and .parquet files (a row is a document: its "text" column, a
+null an empty one); --text-field names another field or column. Each document ends with
+the tokenizer's EOS id; every 1/f-th goes to the validation split (_is_val says which),
+the rest to train, each split cut at document ends into shards of about --shard-tokens
+tokens. --workers processes tokenize in bounded memory and in input order: the output is
 byte-identical for any worker count.
 
 The output is built beside --out-dir and put in its place only when complete
@@ -44,8 +44,8 @@ import typer
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError,
-                  cli_errors, load_tokenizer, open_tokens, read_manifest, replace_dir, sha256,
-                  shard_problem, split_totals, write_atomic)
+                  cli_errors, load_tokenizer, open_tokens, read_manifest, replace_dir,
+                  sha256, shard_problem, split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 # Text per task sent to a worker: enough to amortise the copy between processes.
@@ -56,8 +56,7 @@ PARQUET_ROWS = 1024
 
 @dataclasses.dataclass
 class Options:
-    """How prepare() cuts and tokenizes; the fields are also the command's flags (see
-    main)."""
+    """How prepare() cuts and tokenizes: the fields are also the command's flags."""
     shard_tokens: Annotated[int, Option(
         min=1,
         help="Most tokens per shard; shards end at document ends (a longer one gets its "
@@ -111,6 +110,7 @@ def find_inputs(paths) -> list:
     for p in [Path(x) for x in paths]:
         if not p.exists():
             raise DataError(f"{p}: no such file or directory")
+        # A file named must be an input; in a directory, other files are passed over.
         if p.is_file() and _kind(p) is None:
             raise DataError(f"{p}: expected a .txt, .md, .py or .jsonl file (optionally .gz) "
                             f"or a .parquet file, found {p.suffix or 'no suffix'}")
@@ -123,6 +123,8 @@ def find_inputs(paths) -> list:
             for name in names:
                 if _kind(Path(name)) is not None:
                     found.append(Path(root) / name)
+        # Sorted by path: os.walk's order is the file system's, and the output must not
+        # depend on it.
         files += sorted(found, key=lambda f: f.relative_to(p).parts)
     if not files:
         raise DataError(f"no documents found in {', '.join(map(str, paths))}: expected .txt, "
@@ -132,9 +134,11 @@ def find_inputs(paths) -> list:
 
 
 def demo_inputs(root=None) -> list:
-    """Every .py file of the standard library (or `root`) but tests and packages, sorted by
-    path."""
+    """Every .py file of the standard library (or `root`) but tests and packages.
+
+    They are sorted by their path inside it."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
+    # Tests and installed packages are not the library's own code: they would swamp it.
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = []
     for f in root.rglob("*.py"):
@@ -145,14 +149,16 @@ def demo_inputs(root=None) -> list:
 
 
 def check_parquet(files, text_field="text"):
-    """Refuse, from the footers, before any work, a .parquet input without a text_field
-    column."""
+    """Refuse a .parquet input without a text_field column.
+
+    Only the footers are read, before any work."""
     for f in files:
         if _kind(f) != "parquet":
             continue
         # Imported only for Parquet inputs: it takes a while.
         import pyarrow as pa
         import pyarrow.parquet as pq
+        # Only the footer is read: a wrong column is refused before any tokenizing.
         try:
             schema = pq.read_schema(f)
         except (pa.ArrowException, OSError) as e:
@@ -170,7 +176,7 @@ def check_parquet(files, text_field="text"):
 
 
 def _parquet_documents(i, f, text_field):
-    """The documents of Parquet file f, the i-th input: one a row, a null an empty one."""
+    """The documents of Parquet file f, the i-th input: one a row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
@@ -180,6 +186,7 @@ def _parquet_documents(i, f, text_field):
             batches = pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field])
             for batch in batches:
                 texts = batch.column(0).cast(pa.large_binary()).to_pylist()
+                # A null is an empty document, which is counted and skipped.
                 for raw in texts:
                     yield "text", raw or b"", (i, f, 0)
     except (pa.ArrowException, OSError) as e:
@@ -188,13 +195,14 @@ def _parquet_documents(i, f, text_field):
 
 
 def read_documents(files, text_field="text"):
-    """Yield (kind, raw bytes, (file index, file, line number)) per document, streaming: one
-    file, line or slice of a Parquet row group at a time (a Parquet row is a "text"
-    document)."""
+    """Yield (kind, raw bytes, (file index, file, line number)) per document,
+    streaming: one file, line or slice of a Parquet row group at a time (a Parquet row
+    is a "text" document)."""
     for i, f in enumerate(files):
         if _kind(f) == "parquet":
             yield from _parquet_documents(i, f, text_field)
             continue
+        # A gzipped file is decompressed as it is read.
         opener = open
         if f.name.endswith(".gz"):
             opener = gzip.open
@@ -214,6 +222,7 @@ def read_documents(files, text_field="text"):
 
 def _batched(documents):
     """Lists of about BATCH_BYTES of documents."""
+    # A batch ends after a document, never inside one.
     batch = []
     size = 0
     for doc in documents:
@@ -237,13 +246,15 @@ WORKER_DIED = "a tokenizer process died; rerun with fewer --workers if memory ra
 
 
 def _json_text(line, text_field, where):
-    """(the text field of a jsonl line, lone surrogates replaced, their count), or a
-    DataError."""
+    """The text field of a jsonl line, or a DataError.
+
+    Returns (the text, lone surrogates replaced; their count)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: expected one JSON object per line, found invalid JSON "
                         f"({e})") from None
+    # The field's name as JSON spells it, quotes and all, for the message.
     field = json.dumps(text_field)
     if not isinstance(obj, dict):
         what = JSON_TYPES.get(type(obj), "number")
@@ -263,8 +274,8 @@ def _json_text(line, text_field, where):
 
 
 def _encode_batch(tok, docs, dtype, text_field):
-    """(tokens (N,), each document then EOS; lengths (D,), 0 for an empty one; the count of
-    undecodable byte sequences)."""
+    """(tokens (N,), each document then EOS; lengths (D,), 0 for an empty one; the
+    count of undecodable byte sequences)."""
     eos = np.array([tok.eos_id], dtype=dtype)
     pieces = []
     lengths = []
@@ -273,6 +284,7 @@ def _encode_batch(tok, docs, dtype, text_field):
         # Count the U+FFFD that replace bytes, not those the text holds.
         text = raw.decode("utf-8", "replace")
         bad += text.count("\ufffd") - raw.count("\ufffd".encode())
+        # A jsonl line may hold lone surrogates: they are replaced and counted too.
         if kind == "jsonl":
             text, n = _json_text(text, text_field, f"{f}:{lineno}")
             bad += n
@@ -289,7 +301,9 @@ def _encode_batch(tok, docs, dtype, text_field):
 
 
 def _worker(conn, parents_end, tok):
-    """A tokenizer process: batches in, their _encode_batch results (or exceptions) out."""
+    """A tokenizer process: batches in, their _encode_batch results out.
+
+    An exception is sent back as the result, and raised in the parent."""
     # Ctrl-C reaches every process of the terminal's group: the parent alone decides, and
     # ends the workers with SIGTERM, which must then just end them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -313,8 +327,8 @@ def _worker(conn, parents_end, tok):
 def _workers(n, tok):
     """n tokenizer processes (their pipes), ended by SIGTERM however the block is left.
 
-    Not a Pool: a pool worker killed holding the task queue's lock (SIGTERM to the group)
-    hangs terminate()."""
+    Not a Pool: a pool worker killed while it holds the task queue's lock (SIGTERM to the
+    group) hangs terminate()."""
     ctx = multiprocessing.get_context()
     procs = []
     conns = []
@@ -342,7 +356,7 @@ def _workers(n, tok):
 
 
 def _receive(files_done, conn):
-    """A worker's result for a batch, as _encoded yields it; its exception raised here."""
+    """A worker's result for a batch, as _encoded yields it, or its exception raised."""
     result = conn.recv()
     if isinstance(result, Exception):
         raise result
@@ -355,6 +369,7 @@ def _encoded(files, tok, dtype, conns, text_field):
     Batch k goes to worker k % n, one at a time each, so memory stays bounded; with no
     conns, the batches are tokenized in this process."""
     batches = _batched(read_documents(files, text_field))
+    # Without workers the batches are tokenized here, in order.
     if not conns:
         for docs in batches:
             files_done = docs[-1][2][0] + 1
@@ -365,9 +380,10 @@ def _encoded(files, tok, dtype, conns, text_field):
     try:
         for k, docs in enumerate(batches):
             done = None
-            # Every worker busy: the oldest batch's result is taken before a new one goes.
+            # With every worker busy, the oldest result is taken before a batch goes.
             if len(pending) == len(conns):
                 done = _receive(*pending.pop(0))
+            # Round robin: results come back in the order the batches went.
             conn = conns[k % len(conns)]
             conn.send((docs, dtype, text_field))
             pending.append((docs[-1][2][0] + 1, conn))
@@ -385,9 +401,9 @@ def _encoded(files, tok, dtype, conns, text_field):
 
 
 class ShardWriter:
-    """One split's shards of whole documents, each within shard_tokens unless one document
-    is longer; `shards`: the manifest entries. The directory is a stage, so the shards need
-    no temporary names."""
+    """One split's shards of whole documents, each within shard_tokens unless one
+    document is longer; `shards`: the manifest entries. The directory is a stage, so
+    the shards need no temporary names."""
 
     def __init__(self, directory: Path, split: str, shard_tokens: int):
         self.directory = directory
@@ -397,13 +413,15 @@ class ShardWriter:
         self.f = None
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray):
-        """Append documents: `tokens` (N,) their concatenation, `lengths` (D,) their sizes
-        (> 0)."""
+        """Append documents: `tokens` (N,) is their concatenation, `lengths` (D,) their
+        sizes, each > 0."""
         # (D,) where each document ends in `tokens`
         ends = np.cumsum(lengths)
         i = 0
         while i < len(lengths):
-            if self.f is not None and self.entry["tokens"] + lengths[i] > self.shard_tokens:
+            # A document never straddles two shards: one that does not fit starts one.
+            is_open = self.f is not None
+            if is_open and self.entry["tokens"] + lengths[i] > self.shard_tokens:
                 self.close()
             if self.f is None:
                 self._open()
@@ -430,6 +448,7 @@ class ShardWriter:
         self.hash = hashlib.sha256()
 
     def close(self):
+        # A shard is durable before the manifest that lists it is written.
         if self.f is not None:
             self.f.flush()
             os.fsync(self.f.fileno())
@@ -446,17 +465,23 @@ def _is_val(n, f: Fraction):
     holds out the last document."""
     p = f.numerator
     q = f.denominator
+    # round(x), halves up, is floor(x + 1/2): for x = n p / q, (2 n p + q) // (2 q).
     return (2 * (n + 1) * p + q) // (2 * q) > (2 * n * p + q) // (2 * q)
 
 
 def _build(stage, files, tok, tok_file, o, show) -> dict:
-    """Write the shards, the tokenizer file if any and, last, the manifest into `stage`."""
+    """Write into `stage` the shards, the tokenizer file if any and, last, the
+    manifest."""
     # Imported here, where it is used: --help and refusals need not wait for it.
     from rich.progress import Progress
+    # uint16 holds every id of a vocabulary of up to 65,536 tokens.
     dtype = np.uint16
     if tok.vocab_size > 1 << 16:
         dtype = np.uint32
-    writers = {split: ShardWriter(stage, split, o.shard_tokens) for split in ("train", "val")}
+    writers = {}
+    for split in ("train", "val"):
+        writers[split] = ShardWriter(stage, split, o.shard_tokens)
+    # As a fraction, 0.1 is 1/10 exactly, not the float nearest to it.
     f = Fraction(str(o.val_fraction)).limit_denominator(10**9)
     docs = 0
     empty = 0
@@ -485,6 +510,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                 undecodable += bad
                 empty += int((lengths == 0).sum())
                 lengths = lengths[lengths > 0]
+                # Decided per document, in input order: the same for any worker count.
                 is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
                 docs += len(lengths)
                 tokens += len(toks)
@@ -508,6 +534,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
         raise DataError(f"all {docs} documents went to the validation split, none is left "
                         "for training: give more documents or a smaller --val-fraction (0 "
                         "for none)")
+    # A tokenizer file travels with the shards: the directory is all a reader needs.
     if tok_file:
         write_atomic(stage / "tokenizer.json", tok_file.read_bytes())
     splits = {}
@@ -531,6 +558,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
         "splits": splits,
         "stats": stats,
     }
+    # The manifest goes last: the directory is valid only once it is there.
     write_atomic(stage / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
@@ -551,6 +579,7 @@ def _ours(old: Path) -> set:
 
 def _check_options(o, tokenizer, tok_file, out):
     """Refuse what Typer's ranges let through: a NaN --val-fraction passes them."""
+    # NaN compares False with everything, so it fails this test.
     if not 0 <= o.val_fraction < 1:
         raise DataError(f"--val-fraction: expected a fraction in [0, 1), found "
                         f"{o.val_fraction}")
@@ -563,10 +592,12 @@ def _check_options(o, tokenizer, tok_file, out):
 
 def _check_out_dir(out, files, overwrite):
     """Refuse an --out-dir whose replacement would lose something."""
+    # The output replaces `out` whole, so an input inside it would be lost.
     inside = [f for f in files if out.resolve() in f.resolve().parents]
     if inside:
         raise DataError(f"--out-dir {out}: contains the input {inside[0]}, and would be "
                         "replaced; write somewhere else")
+    # A previous output is replaced; other files only when asked (--overwrite).
     if overwrite or not out.is_dir() or not any(out.iterdir()):
         return
     try:
@@ -584,12 +615,14 @@ def _report(m, out, seconds, workers, log):
     train = m["splits"]["train"]
     val = m["splits"]["val"]
     tokens = train["tokens"] + val["tokens"]
+    # The speed covers the whole run: reading, tokenizing and writing.
     log(f"wrote {tokens:,} tokens ({stats['documents']:,} documents) to {out} in "
         f"{seconds:.1f}s ({tokens / seconds:,.0f} tokens/s, {workers} "
         f"worker{_plural(workers)}): train {train['tokens']:,} tokens in "
         f"{len(train['shards'])} shards, val {val['tokens']:,} tokens")
     bad = stats["undecodable_replaced"]
     empty = stats["empty_documents_skipped"]
+    # The notes say only what happened: none for nothing replaced or skipped.
     notes = []
     if bad > 0:
         notes.append(f"replaced {bad:,} undecodable byte sequence{_plural(bad)} with U+FFFD")
@@ -600,10 +633,11 @@ def _report(m, out, seconds, workers, log):
 
 
 def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) -> dict:
-    """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory `out`;
-    return the manifest. `options`: Options' fields, in Typer's ranges; the rest is checked
-    before work."""
+    """Tokenize `files` (from find_inputs or demo_inputs) into the shard directory
+    `out`; return the manifest. `options`: Options' fields, in Typer's ranges; the
+    rest is checked before work."""
     o = Options(**options)
+    # The defaults for real corpora: 0.05% held out, a worker per core.
     if o.val_fraction is None:
         o.val_fraction = 0.0005
     if o.workers is None:
@@ -612,10 +646,11 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     # The swap renames directories: a link is replaced behind it, not itself.
     if out.is_symlink():
         out = out.resolve()
-    # The built-in tokenizers have their EOS built in; any other name is a tokenizer file.
+    # Any tokenizer but the two built in (their EOS too) is a tokenizer file.
     tok_file = None
     if tokenizer not in ("byte", "gpt2"):
         tok_file = Path(tokenizer)
+    # Every input is checked before any work, and before anything is written.
     _check_options(o, tokenizer, tok_file, out)
     check_parquet(files, o.text_field)
     if tok_file is None:
@@ -627,6 +662,7 @@ def prepare(files, out, tokenizer="gpt2", log=print, progress=False, **options) 
     _check_out_dir(out, files, o.overwrite)
     t0 = time.perf_counter()
 
+    # The shards are built in a stage beside `out`, which then takes its place.
     def fill(stage):
         return _build(stage, files, tok, tok_file, o, progress)
 
@@ -658,6 +694,7 @@ def _shard_problems(f, s, dtype, eos, vocab) -> list:
     last = None
     if len(t):
         last = int(t[-1])
+    # Every problem of the shard is listed, not only the first.
     problems = []
     if digest != s["sha256"]:
         problems.append(f"sha256 {digest[:16]}... differs from the manifest's "
@@ -684,6 +721,7 @@ def verify(directory) -> list:
     except DataError as e:
         return [str(e)]
     dtype = np.dtype(m["dtype"])
+    # Each shard is checked on its own: one bad shard does not hide another.
     problems = []
     for split in m["splits"].values():
         for s in split["shards"]:
@@ -704,8 +742,9 @@ def verify(directory) -> list:
 
 
 def info(directory, sample_tokens=300):
-    """(manifest, a decoded sample of the first training document, None if no tokenizer
-    loads)."""
+    """(manifest, a decoded sample of the first training document).
+
+    The sample is None when no tokenizer loads."""
     m = read_manifest(directory)
     source = open_tokens(directory, "train")
     ids = source.read(0, min(sample_tokens, source.num_tokens)).tolist()
@@ -735,6 +774,7 @@ def _stoppable(out: Path):
 
     SIGTERM raises KeyboardInterrupt too: both unwind alike (replace_dir drops the stage,
     _workers the workers)."""
+    # The manifest before the run tells, after a stop, whether the output changed.
     manifest = out / MANIFEST
     before = _read_or_none(manifest)
 
@@ -747,6 +787,7 @@ def _stoppable(out: Path):
     try:
         yield
     except KeyboardInterrupt as e:
+        # The exit status is 128 + the signal's number, as a shell reports it.
         what = "Ctrl-C (SIGINT)"
         code = 130
         if e.args == ("SIGTERM",):
@@ -770,8 +811,8 @@ def _refuse_empty(option, value, what):
         raise DataError(f"{option}: expected {what}, found an empty string")
 
 
-# Typer passes the path arguments on as the strings typed (path_type=str), so that an empty
-# one can be told from "." and refused; the commands make them Paths after that.
+# Typer passes the path arguments on as the strings typed (path_type=str), so that an
+# empty one can be told from "." and refused; the commands make them Paths after that.
 def main(
     inputs: Annotated[Optional[List[Path]], typer.Argument(
         path_type=str,
@@ -787,15 +828,16 @@ def main(
         "the demo, gpt2 otherwise).")] = None,
     **options,
 ):
-    """Tokenize text into shards + manifest.json for train.py. Also `prepare.py verify DIR`:
-    re-hash and range-check every shard; `prepare.py info DIR`: statistics and a decoded
-    sample."""
+    """Tokenize text into shards + manifest.json for train.py.
+    Also `prepare.py verify DIR`: re-hash and range-check every shard;
+    `prepare.py info DIR`: statistics and a decoded sample."""
     with cli_errors(DataError, OSError):
         # Refused before anything is read or written.
         for path in inputs or []:
             _refuse_empty("INPUT", path, "a file or directory")
         _refuse_empty("--out-dir", out, "a directory")
         _refuse_empty("--tokenizer", tokenizer, "gpt2, byte or a tokenizer.json file")
+        # Only the demo has a default output directory.
         if out is None:
             out_dir = DEMO_OUT
         else:
@@ -809,6 +851,7 @@ def main(
                 if tokenizer is None:
                     tokenizer = "gpt2"
             else:
+                # The demo: the library's sources, the byte tokenizer, 1% held out.
                 files = demo_inputs()
                 print(f"no INPUT: building the demo corpus, {len(files)} .py files of "
                       "Python's standard library")
@@ -836,9 +879,10 @@ def _refuse_empty_directory(directory):
 
 
 def verify_main(directory: Directory):
-    """Re-hash every shard, check sizes, token ranges and documents; exit 0 if all is
-    well."""
+    """Re-hash every shard, check sizes, token ranges and documents;
+    exit 0 if all is well."""
     directory = _refuse_empty_directory(directory)
+    # Problems are a failure, as a refusal is: exit 2.
     problems = verify(directory)
     if problems:
         lines = [f"  - {p}" for p in problems]
@@ -849,8 +893,8 @@ def verify_main(directory: Directory):
 
 
 def info_main(directory: Directory):
-    """Tokens, documents, shards, tokenizer, and a decoded sample of the first training
-    document."""
+    """Tokens, documents, shards, tokenizer,
+    and a decoded sample of the first training document."""
     directory = _refuse_empty_directory(directory)
     with cli_errors(DataError):
         m, sample = info(directory)
@@ -867,8 +911,7 @@ def info_main(directory: Directory):
 
 
 if __name__ == "__main__":
-    # Subcommands are dispatched by hand: a Typer group cannot also take free INPUT paths
-    # first.
+    # Subcommands are dispatched by hand: a Typer group cannot take free INPUT paths.
     command = None
     if sys.argv[1:2] in (["verify"], ["info"]):
         command = sys.argv.pop(1)
