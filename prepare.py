@@ -873,6 +873,7 @@ Directory = Annotated[Path, typer.Argument(path_type=str,
 
 
 def _refuse_empty_directory(directory):
+    """The DIRECTORY of `verify` or `info` as a Path, or exit 2 for an empty string."""
     with cli_errors(DataError):
         _refuse_empty("DIRECTORY", directory, "a prepare.py output directory")
     return Path(directory)
