@@ -182,6 +182,51 @@ def test_manifest_splits_and_metadata(tmp_path):
     assert open_blend([str(d)])[2].num_tokens == 40  # the val split is what train.py evaluates on
 
 
+def test_a_source_starts_at_a_byte_offset(tmp_path):
+    # A format whose files begin with a header (llm.c's .bin: 256 int32, magic 20240520,
+    # version 1, token count, then uint16 tokens) maps each file from where its tokens begin.
+    s = stream_of(300)
+    files = []
+    for k, (a, b) in enumerate([(0, 120), (120, 120), (120, 300)]):
+        header = np.zeros(256, np.int32)
+        header[:3] = 20240520, 1, b - a
+        files.append(tmp_path / f"part_{k}.bin")
+        files[-1].write_bytes(header.tobytes() + s[a:b].astype(np.uint16).tobytes())
+    source = data.TokenSource(tmp_path, files, np.uint16, offset=1024)
+    # The header-only file adds no tokens, and no header is read as tokens.
+    assert source.num_tokens == 300 and source.files == [files[0], files[2]]
+    assert source.id_range() == (int(s.min()), int(s.max()))
+    np.testing.assert_array_equal(source.read(0, 300), s)
+    np.testing.assert_array_equal(source.read(110, 20), s[110:130])
+    W = (len(s) - 1) // L
+    want = np.stack([s[i * L : i * L + L + 1] for i in range(W)])
+    np.testing.assert_array_equal(source.windows(np.arange(W), L), want)
+    # One file: the windows are rows of its one memory map.
+    one = data.TokenSource(files[0], files[:1], np.uint16, offset=1024)
+    np.testing.assert_array_equal(one.windows(np.arange(10), L), want[:10])
+    x, y = next(Batches(source, BatchConfig(L, micro_batch=2, seed=1)))
+    assert tuple(x[0].tolist()) in window_index(s)
+    (tmp_path / "odd.bin").write_bytes(bytes(1024) + b"\x01\x02\x03")
+    with pytest.raises(DataError, match=r"odd.bin: expected a whole number of uint16 tokens "
+                                        r"\(2 bytes each\), found 3 bytes after its 1024-byte "
+                                        r"header; wrong --data-dtype"):
+        data.TokenSource(tmp_path, [tmp_path / "odd.bin"], np.uint16, offset=1024)
+    (tmp_path / "short.bin").write_bytes(bytes(100))
+    with pytest.raises(DataError, match=r"short.bin: expected a 1024-byte header at least, found "
+                                        r"100 bytes"):
+        data.TokenSource(tmp_path, [tmp_path / "short.bin"], np.uint16, offset=1024)
+
+
+def test_the_formats_are_listed_once(tmp_path):
+    # Messages (and train.py's help) list the formats from the one table, FORMAT_OPENERS.
+    whats = [fmt.what for fmt in data.FORMAT_OPENERS]
+    assert data.FORMATS == ", ".join(whats[:-1]) + ", or " + whats[-1]
+    with pytest.raises(DataError) as e:
+        open_tokens(tmp_path / "nope")
+    missing = f"{tmp_path / 'nope'}: no such file or directory"
+    assert str(e.value) == f"{missing}; expected {data.FORMATS}"
+
+
 # -----------------------------------------------------------------------------
 # bad input: each one a DataError naming the file
 

@@ -517,6 +517,32 @@ def test_cli_errors_are_one_clean_paragraph(tmp_path):
     assert r.returncode == 2 and "--out-dir" in r.stderr
 
 
+@pytest.mark.parametrize("args, refusal", [
+    (["--out-dir", ""], "--out-dir: expected a directory"),
+    (["-o", "", "--tokenizer", "byte"], "--out-dir: expected a directory"),
+    (["{corpus}", "--out-dir", ""], "--out-dir: expected a directory"),
+    (["{corpus}", "", "--out-dir", "{out}"], "INPUT: expected a file or directory"),
+    (["{corpus}", "--out-dir", "{out}", "--tokenizer", ""],
+     "--tokenizer: expected gpt2, byte or a tokenizer.json file"),
+    (["verify", ""], "DIRECTORY: expected a prepare.py output directory"),
+    (["info", ""], "DIRECTORY: expected a prepare.py output directory"),
+])
+def test_an_empty_path_is_refused_naming_it_before_anything_is_written(tmp_path, args,
+                                                                          refusal):
+    # Path("") is ".": an unset variable ("$OUT") would otherwise name the working directory
+    # (--out-dir "" tried to replace it, and left a ..lock there).
+    make_corpus(tmp_path / "corpus")
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [a.format(corpus=tmp_path / "corpus", out=tmp_path / "out") for a in args]
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), *args], cwd=work,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"error: {refusal}, found an empty string\n"
+    assert list(work.iterdir()) == [] and not (tmp_path / "out").exists()
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize("flag, value", [("--shard-tokens", "0"), ("--workers", "0"),
                                          ("--val-fraction", "nan")])
 def test_flags_out_of_range_are_refused_before_any_work(tmp_path, flag, value):
