@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import typer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,6 +15,7 @@ def quickstart_commands():
     return [line.strip() for line in quickstart.splitlines() if line.startswith("    pip install")]
 
 
+@pytest.mark.smoke
 def test_ci_runs_the_readme_test_command():
     run_cmd, test_cmd = quickstart_commands()
     assert "pytest" in test_cmd and "train.py" in run_cmd
@@ -20,6 +23,7 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd in ci, f"{test_cmd!r} is not a line of .ci/run"
 
 
+@pytest.mark.smoke
 def test_quickstart_uses_existing_files_and_flags():
     import sample
     import train
