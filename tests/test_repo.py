@@ -1,9 +1,9 @@
-"""The README's commands stay true: CI runs exactly its test command, and its quickstart names real flags."""
+"""The README's commands stay true: CI runs exactly its full test command, and its quickstart names
+real flags."""
 import re
 from pathlib import Path
 
 import pytest
-
 import typer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,11 +16,13 @@ def quickstart_commands():
 
 
 @pytest.mark.smoke
-def test_ci_runs_the_readme_test_command():
-    run_cmd, test_cmd = quickstart_commands()
-    assert "pytest" in test_cmd and "train.py" in run_cmd
+def test_ci_runs_the_readme_full_test_command():
+    run_cmd, smoke_cmd, full_cmd = quickstart_commands()
+    assert "train.py" in run_cmd
+    assert smoke_cmd.endswith("python -m pytest -q")
+    assert full_cmd == smoke_cmd + " --full"
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert test_cmd in ci, f"{test_cmd!r} is not a line of .ci/run"
+    assert full_cmd in ci, f"{full_cmd!r} is not a line of .ci/run"
 
 
 @pytest.mark.smoke
@@ -28,7 +30,7 @@ def test_quickstart_uses_existing_files_and_flags():
     import sample
     import train
 
-    run_cmd, _ = quickstart_commands()
+    run_cmd = quickstart_commands()[0]
     for script, app in (("train.py", train.app), ("sample.py", sample.app)):
         part = run_cmd.split(f"python {script}", 1)[1].split("&&")[0]
         flags = re.findall(r"--[a-z-]+", part)
