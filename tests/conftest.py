@@ -15,6 +15,33 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="Run the full suite (what CI runs), not only the smoke tier.")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the smoke tier (tests marked smoke) unless --full is given or tests are named.
+
+    A plain `python -m pytest -q` is the quick check a newcomer runs first, so it runs the tests
+    marked smoke: every module and command line touched once, at tiny shapes. Naming files or
+    tests on the command line runs all of them, as a developer working on one file expects.
+    """
+    if config.getoption("--full"):
+        return
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    smoke = []
+    others = []
+    for item in items:
+        if item.get_closest_marker("smoke"):
+            smoke.append(item)
+        else:
+            others.append(item)
+    config.hook.pytest_deselected(items=others)
+    items[:] = smoke
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     random.seed(0)

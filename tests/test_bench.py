@@ -39,6 +39,7 @@ def test_one_flag_name_per_idea_shared_with_train():
             "--total-batch-size"} <= flags(train.app)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("args", [
     ["kernels", "--dtype", "float32"],  # the old spelling of fp32
     ["kernels", "--device", "tpu"],
@@ -66,6 +67,7 @@ def test_bad_combinations_get_one_paragraph_and_exit_2():
                              "for the baseline\n")
 
 
+@pytest.mark.smoke
 def test_gpu_refuses_cleanly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = invoke("gpu")

@@ -90,6 +90,7 @@ def files_in(d):
 # round trips
 
 
+@pytest.mark.smoke
 def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
     a, opt_a = make(0)
     meta_in = {"tag": "run1", "lr_sched": {"step": 2, "warmup": 10}, "tokens": 123456789012, "loss": 2.5,
@@ -136,6 +137,7 @@ def test_big_tensors_hash_right(tmp_path):
     assert same_state(model, other) and same_optimizer(opt, opt2)
 
 
+@pytest.mark.smoke
 def test_optimizer_file_loads_with_weights_only(tmp_path):
     model, opt = make(0)
     ckpt.save(tmp_path, 5, model, opt, {})
@@ -160,6 +162,7 @@ def test_rng_states_are_restored_on_request(tmp_path):
     assert draw() == first
 
 
+@pytest.mark.smoke
 def test_tied_weights_stay_tied_and_are_written_as_copies(tmp_path):
     a, opt_a = make(0)
     ckpt.save(tmp_path, 1, a, opt_a, {})
@@ -291,6 +294,7 @@ def test_missing_and_empty_directories(tmp_path):
             ckpt.load(d, 1, model, opt)
 
 
+@pytest.mark.smoke
 def test_missing_step_lists_the_steps_that_exist(tmp_path):
     model, opt = make(0)
     for step in (2, 1):
@@ -321,6 +325,7 @@ def test_retention_sorts_by_step_number(tmp_path):
     assert len(files_in(tmp_path)) == 6
 
 
+@pytest.mark.smoke
 def test_retention_keeps_the_step_just_written_and_damaged_steps(tmp_path):
     model, opt = make(0)
     for step in (1, 50, 60):
@@ -392,6 +397,7 @@ def truncate(path):
         f.truncate(path.stat().st_size - 1)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["model_step_2.safetensors", "optim_step_2.pt"])
 @pytest.mark.parametrize("damage", [flip_bit, truncate])
 def test_damage_is_detected_and_load_latest_falls_back(tmp_path, name, damage):

@@ -117,6 +117,7 @@ def take(batches, n):
 # sources and windows
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kind", KINDS)
 def test_windows_on_every_source_kind(kind, tmp_path):
     source, s = make_source(kind, tmp_path)
@@ -138,6 +139,7 @@ def test_windows_on_every_source_kind(kind, tmp_path):
     assert sorted(seen) == list(range(W))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kind", ["manifest", "shard_dir", "megatron_int32"])
 def test_reads_spanning_files_equal_the_stream(kind, tmp_path):
     source, s = make_source(kind, tmp_path)
@@ -244,6 +246,7 @@ def test_missing_and_unknown_paths_name_the_formats(tmp_path):
         open_tokens(tmp_path / "half")
 
 
+@pytest.mark.smoke
 def test_manifest_errors(tmp_path):
     s = stream_of(300)
     d = write_manifest_dir(tmp_path / "m", {"train": s})
@@ -456,6 +459,7 @@ def test_indivisible_global_batch_is_refused(tmp_path):
         batches(source, 10_000, 1, 1)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_mid_epoch_resume_continues_identically(prefetch, tmp_path):
     source, s = make_source("manifest", tmp_path, n=500)
@@ -537,6 +541,7 @@ def test_blend_tracks_the_weights_on_every_prefix(weights, tmp_path):
         batches(sources, L, 1, 1, weights=[1] * len(weights), seed=2).load_state_dict(state)
 
 
+@pytest.mark.smoke
 def test_blending_data_of_two_tokenizers_is_refused(tmp_path):
     a = write_manifest_dir(tmp_path / "a", {"train": stream_of(300)})
     b = write_manifest_dir(tmp_path / "b", {"train": stream_of(300, seed=1)})

@@ -87,6 +87,7 @@ def logits_of(config, state, idx):
         return model(idx)[0]
 
 
+@pytest.mark.smoke
 def test_export_is_what_the_official_model_builds(tmp_path):
     model = make_run(tmp_path / "run")
     out = official.export(tmp_path / "run", tmp_path / "out")
@@ -126,6 +127,7 @@ def test_export_is_what_the_official_model_builds(tmp_path):
     assert "MambaLMHeadModel.from_pretrained" in note
 
 
+@pytest.mark.smoke
 def test_round_trip_is_bit_identical(tmp_path):
     model = make_run(tmp_path / "run")
     official.export(tmp_path / "run", tmp_path / "out")
@@ -144,6 +146,7 @@ def test_round_trip_is_bit_identical(tmp_path):
         assert torch.equal(logits_of(config, state, idx), expected)
 
 
+@pytest.mark.smoke
 def test_a_foreign_official_checkpoint(tmp_path):
     """Someone's Mamba-3 directory: config.json leaves out fields that have official defaults, the
     vocabulary is padded to a multiple of 8, only pytorch_model.bin, no tokenizer."""
@@ -172,6 +175,7 @@ def test_a_foreign_official_checkpoint(tmp_path):
         torch.testing.assert_close(logits_of(ours, weights, idx), model(idx)[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("change, message", [
     (dict(mlp_hidden=96), "mlp_hidden 96: the official GatedMLP rounds its hidden size up to a multiple of 128"),
     (dict(rope_fraction=0.25), "rope_fraction 0.25: the official Mamba3 layer accepts only 0.5 and 1.0"),

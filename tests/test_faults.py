@@ -184,6 +184,7 @@ def test_a_short_validation_split_turns_eval_off_before_step_1(tmp_path):
     assert "off: no val split of seq_len + 1 tokens" in text and "val loss" not in text
 
 
+@pytest.mark.smoke
 def test_a_token_beyond_the_vocabulary_names_the_file_and_offset(corpus, tmp_path):
     data = tmp_path / "data"
     prepare.prepare(prepare.find_inputs([Path(json.__file__).parent]), data, tokenizer="byte",
@@ -291,6 +292,7 @@ def test_a_hash_matching_but_malformed_newest_step_falls_back(corpus, tmp_path):
     assert "resumed from" in text and "step 5" in text
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("flags", [["--top-k", "0"], ["--temperature", "-1"],
                                    ["--max-new-tokens", "-5"], ["--device", "tpu"]])
 def test_sample_flags_out_of_range_are_usage_errors(tmp_path, flags):
@@ -572,6 +574,7 @@ def test_a_seed_beyond_int64_is_a_usage_error(app, flags, seed):
     assert result.exit_code == 2 and "Invalid value for '--seed'" in result.output
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("flags, message", [
     (["--out-dir", ""], "--out-dir is empty"), (["--out-dir", "  "], "--out-dir is empty"),
     (["--lr", "inf"], "--lr inf: expected a finite number"),
@@ -614,6 +617,7 @@ def test_resets_without_an_eos_id_and_another_tokenizer_than_init_froms_are_refu
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("under", [False, True])
 def test_an_out_dir_that_is_a_file_is_called_a_file(corpus, tmp_path, under):
     (tmp_path / "notes").write_text("mine")

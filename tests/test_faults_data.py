@@ -145,6 +145,7 @@ def write_parquet(path):
     pq.write_table(pa.table({"text": ["a document"]}), path)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["notes.txt", "README.md", "train.py", "docs.jsonl",
                                   "docs.jsonl.gz", "meta.json", "web.parquet", "corpus.bin"])
 def test_a_text_file_as_data_is_refused(corpus, tmp_path, name):
@@ -174,6 +175,7 @@ def test_token_files_are_not_mistaken_for_text(tmp_path):
         assert data.open_tokens(tmp_path / name).num_tokens == 5000
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("specs, message", [
     (["{a}:0"], "--data '{a}:0': expected PATH:WEIGHT with a positive WEIGHT, found 0: a source "
                 "weighted 0 would never be read; leave it out"),
@@ -198,6 +200,7 @@ def test_a_zero_or_bad_blend_weight_is_refused(corpus, tmp_path, specs, message)
 # misleading words: each message names the flag that fixes it
 
 
+@pytest.mark.smoke
 def test_an_odd_sized_token_file_names_data_dtype(corpus, tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(1001, dtype=np.uint16).tofile(path)  # 2002 bytes: not whole uint32 tokens

@@ -213,6 +213,7 @@ def test_weights_exploded_in_one_shard_roll_every_rank_back(corpus, tmp_path):
     assert max(t.abs().max() for t in weights(out, 8).values()) < 100
 
 
+@pytest.mark.smoke
 def test_fsdp_without_torchrun_is_a_world_of_one(runs, corpus, tmp_path):
     fsdp = runs[0]
     text = run("--data", corpus, *ARGS, "--fsdp", "--out-dir", branch(fsdp, tmp_path / "one", 15))

@@ -51,6 +51,7 @@ def ssd_masked(x, q, k, log_a, gamma, beta, state=None):
 SHAPE = dict(B=2, H=3, P=5, N=4)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("L", [1, 7, 64, 100, 257])
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("with_state", [False, True])
@@ -81,6 +82,7 @@ def test_final_state_is_the_recurrence_state():
     assert (y_last[:, :, 0] - y_full[:, 40]).abs().max() <= 1e-10
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("impl", ["recurrent", "torch"])
 @pytest.mark.parametrize("split", [1, 16, 33])
 def test_state_passing_equals_one_call(impl, split):
@@ -95,6 +97,7 @@ def test_state_passing_equals_one_call(impl, split):
         assert (a - b).abs().max() <= 1e-10
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("L,chunk_size", [(1, 16), (37, 16), (64, 16), (50, 64)])
 def test_gradients_match_autograd_through_the_recurrence(L, chunk_size):
     B, H, P, N = SHAPE.values()
@@ -128,6 +131,7 @@ def test_gradients_with_unused_final_state():
         assert (a - b).abs().max() <= 1e-9
 
 
+@pytest.mark.smoke
 def test_float32_agrees_with_float64_oracle():
     # float32 tolerance: relative 1e-4 of the output's scale over a 300-token sequence
     B, H, P, N = 2, 4, 16, 16
@@ -236,6 +240,7 @@ def run_packed_and_alone(impl, inputs, state, dy, dS, chunk_size=16):
 NAMES = ["y", "S", "x", "q", "k", "log_a", "gamma", "beta", "S0", "k_prev", "x_prev"]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("impl", ["recurrent", "torch"])
 def test_packed_window_equals_documents_run_alone(impl):
     B, H, P, N, L = 2, 2, 5, 4, 53

@@ -48,6 +48,7 @@ def ssd_masked(x, q, k, log_a, gamma, beta, state):
     return y + cs.exp()[..., None, None] * torch.einsum("bhpn,bthrn->bthrp", Sin, q)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("L, C, R", [(1, 4, 2), (7, 4, 3), (37, 8, 2), (33, 16, 4)])
 def test_scan_paths_agree(L, C, R):
     inputs, state = scan_inputs(2, L, 3, R, 5, 4)
@@ -157,6 +158,7 @@ def test_parameters_shapes_and_init():
     assert {id(mixer.mimo_x), id(mixer.mimo_z), id(mixer.mimo_o), id(mixer.B_bias)} <= exempt
 
 
+@pytest.mark.smoke
 def test_bad_ranks_are_refused_naming_the_flag():
     message = r"mimo_rank \(--mimo-rank\) must be at least 1 and divide chunk_size"
     for R in (0, 3):  # below 1, and a rank that does not divide the tiny preset's 16 rows a chunk
@@ -206,6 +208,7 @@ def test_mixer_gradients_by_finite_differences():
     assert torch.autograd.gradcheck(region, (zx, *leaves), eps=1e-6, atol=1e-7, fast_mode=True)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("R, kw", [(2, dict(ngroups=2)), (4, dict(reset_token=3))])
 def test_decoding_reproduces_the_forward(R, kw):
     model = tiny(R, **kw).eval()
@@ -471,6 +474,7 @@ def test_the_export_computes_in_the_official_semantics_what_it_computes_here(tmp
             assert torch.equal(weights[k], v), k
 
 
+@pytest.mark.smoke
 def test_an_official_mimo_directory(tmp_path):
     """The published layout (config.json ssm_cfg with is_mimo; chunk_size in tokens, or left out
     with mimo_rank: the official 64 and 4), and a MIMO layer of rank 1, which comes in as SISO."""

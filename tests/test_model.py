@@ -12,6 +12,7 @@ def tiny(vocab_size=100, **kw):
     return Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab_size, **kw))
 
 
+@pytest.mark.smoke
 def test_shapes_and_initial_loss():
     model = tiny(vocab_size=1000)
     idx = torch.randint(0, 1000, (3, 21))
@@ -43,6 +44,7 @@ def test_head_and_embedding_share_storage():
     assert sum(p is model.embed.weight for p in model.parameters()) == 1
 
 
+@pytest.mark.smoke
 def test_stepwise_decoding_reproduces_the_parallel_forward():
     model = tiny().double().eval()
     idx = torch.randint(0, 100, (2, 40))  # 40 tokens: two full chunks of 16 and a partial one
@@ -65,6 +67,7 @@ def test_prefill_then_step_from_the_middle(split):
         assert (out - logits[:, t]).abs().max() <= 1e-10
 
 
+@pytest.mark.smoke
 def test_generate_greedy_is_argmax_of_the_forward():
     model = tiny().double().eval()
     idx = torch.randint(0, 100, (2, 7))
@@ -76,6 +79,7 @@ def test_generate_greedy_is_argmax_of_the_forward():
     assert out.max() < 100
 
 
+@pytest.mark.smoke
 def test_top_k_sampling_stays_in_the_top_k():
     model = tiny().eval()
     idx = torch.randint(0, 100, (4, 5))
@@ -146,6 +150,7 @@ def test_rotation_is_a_rotation():
     assert torch.allclose(rotate(r, -phi), v)
 
 
+@pytest.mark.smoke
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="headdim"):
         ModelConfig(d_model=100, headdim=64)
@@ -189,6 +194,7 @@ def test_reset_token_is_a_config_field_off_by_default():
     assert tiny().resets(packed_ids()) is None
 
 
+@pytest.mark.smoke
 def test_packed_documents_equal_documents_run_alone():
     model = tiny(reset_token=EOS).double().eval()
     idx = packed_ids()
@@ -235,6 +241,7 @@ def test_generation_after_eos_equals_generation_from_scratch():
     assert (model.step(prompt[:, 0], cache) - model.step(prompt[:, 0], fresh)).abs().max() <= 1e-10
 
 
+@pytest.mark.smoke
 def test_mixer_is_out_proj_of_region_of_in_proj():
     model = tiny()
     mixer = model.blocks[0].mixer

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import plot
@@ -73,6 +74,7 @@ def test_cli_overlays_runs_into_one_png(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "one.svg").read_text().lstrip().startswith("<?xml")
 
 
+@pytest.mark.smoke
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
     resumed, _ = two_runs(tmp_path)
     (tmp_path / "empty").mkdir()

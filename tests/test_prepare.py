@@ -131,6 +131,7 @@ def check_output(out, manifest, expected_docs, fraction, shard_tokens):
 # end to end
 
 
+@pytest.mark.smoke
 def test_byte_corpus_end_to_end(tmp_path):
     docs = make_corpus(tmp_path / "corpus")
     manifest = run([tmp_path / "corpus"], tmp_path / "out", "byte", shard_tokens=200,
@@ -154,6 +155,7 @@ def test_byte_corpus_end_to_end(tmp_path):
     assert source.tokenizer == {"name": "byte"} and source.eos_id == 256
 
 
+@pytest.mark.smoke
 def test_gpt2_corpus_equals_direct_tiktoken_and_any_worker_count(gpt2, tmp_path):
     docs = make_corpus(tmp_path / "corpus")
     outs = {}
@@ -215,6 +217,7 @@ def test_tokenizer_file_is_copied_and_rebuilt_from_its_spec(tmp_path):
     assert any("tokenizer.json" in p for p in verify(tmp_path / "out"))
 
 
+@pytest.mark.smoke
 def test_tokenizer_specs_round_trip():
     byte = load_tokenizer({"name": "byte"})
     text = "naïve <|endoftext|> 🙂"
@@ -304,6 +307,7 @@ def parquet_texts():
     return texts
 
 
+@pytest.mark.smoke
 def test_parquet_equals_jsonl_and_any_worker_count(tmp_path, monkeypatch):
     # Small batches and row slices, so that a run spans many worker tasks and several slices per row
     # group.
@@ -434,6 +438,7 @@ def test_verify_catches_a_flipped_byte_and_a_truncated_shard(tmp_path):
     assert subprocess.run(cli, capture_output=True).returncode == 0
 
 
+@pytest.mark.smoke
 def test_info_decodes_the_first_training_document(tmp_path):
     docs = make_corpus(tmp_path / "corpus")
     run([tmp_path / "corpus"], tmp_path / "out", val_fraction=0.0)
@@ -446,6 +451,7 @@ def test_info_decodes_the_first_training_document(tmp_path):
 # bad input: refused before any work, nothing the user has is lost
 
 
+@pytest.mark.smoke
 def test_bad_inputs_are_clear_errors(tmp_path):
     make_corpus(tmp_path / "corpus")
     with pytest.raises(DataError, match="missing: no such file"):

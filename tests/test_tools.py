@@ -26,6 +26,7 @@ def invoke(*args):
     return runner.invoke(G.app, [str(a) for a in args])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("args", [
     ["compile", "--arch", "sm_70"], ["compile", "--dtype", "bfloat16"],
     ["compile", "--configs", "all"], ["traffic", "--dtype", "float32"],
@@ -34,6 +35,7 @@ def test_bad_choices_exit_2(args):
     assert invoke(*args).exit_code == 2
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("args", [["compile", "--heads", 0], ["traffic", "--chunk-size", 8]])
 def test_out_of_range_values_exit_2(args):
     result = invoke(*args)

@@ -305,6 +305,7 @@ def test_two_process_gloo_matches_one_process_and_resumes_on_another_world_size(
         assert abs(one[s] - two[s]) < 1e-4
 
 
+@pytest.mark.smoke
 def test_dry_run_writes_nothing_and_synthetic_says_so(corpus, tmp_path):
     out = tmp_path / "run"
     text = run("--data", corpus, *BASE, "--dry-run", "--out-dir", out)
@@ -332,6 +333,7 @@ def test_blended_sources(corpus, tmp_path):
     assert "(75% of the samples)" in text and "(25% of the samples)" in text
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("extra,message", [
     (["--vocab-size", "100"], "vocab_size 100"),
     (["--total-batch-size", "100"], "not a multiple of --seq-len"),
@@ -348,6 +350,7 @@ def test_clean_errors(corpus, tmp_path, extra, message):
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("extra", [
     ["--model", "huge"], ["--schedule", "linear"], ["--dtype", "fp8"], ["--device", "tpu"],
     ["--seed", "-1"], ["--keep-last", "-1"], ["--save-every", "0"], ["--eval-every", "0"],
@@ -360,6 +363,7 @@ def test_flags_out_of_range_are_usage_errors(corpus, tmp_path, extra):
             and not out.exists())
 
 
+@pytest.mark.smoke
 def test_missing_data_and_refusal_to_mix_runs(corpus, tmp_path):
     text = run("--data", tmp_path / "nope", *BASE, "--out-dir", tmp_path / "x", expect=2)
     assert "nope" in text and "Traceback" not in text

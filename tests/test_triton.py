@@ -92,6 +92,17 @@ def test_mixer_float64_matches_the_recurrence_and_the_twin():
             assert a.dtype == r.dtype and rel_err(a, r) <= 1e-10, (impl, name, rel_err(a, r))
 
 
+@interpreter
+@pytest.mark.smoke
+def test_a_small_mixer_case_matches_the_recurrence():
+    # The smoke tier's one interpreter case: two chunks, a reset, every output and gradient.
+    zx, params, reset, sizes = mixer_case(1, 24, 1, 16, 1, 16, 2, 16, True)
+    out = run_mixer(kernels.mixer_triton, zx, params, reset, sizes)
+    ref = run_mixer(kernels.mixer_torch, zx, params, reset, sizes, impl="recurrent")
+    for name, a, r in zip(MIXER_NAMES, out, ref):
+        assert a.dtype == r.dtype and rel_err(a, r) <= 1e-10, (name, rel_err(a, r))
+
+
 @pytest.fixture
 def exact_float32(monkeypatch):
     """float32 products in true float32 ("ieee", FMA units on a GPU) instead of tf32: the algebra at
@@ -450,10 +461,26 @@ def test_kernels_compile_for_sm90_in_every_configuration():
         assert r["spills"] <= limit, r
 
 
+@pytest.fixture
+def no_compile_caches():
+    """Compile afresh: a graph cached by another version of kernels.py would bring that version's
+    output shapes (the caches' keys do not cover a custom op's fake implementation).
+
+    torch's own config.patch, not monkeypatch: these config modules keep their values outside
+    __dict__, and pytest 9.2's monkeypatch undoes a setattr on them by deleting the attribute."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+
+
 @pytest.mark.slow
 @interpreter
 @pytest.mark.parametrize("R,backend", [(1, "inductor"), (2, "aot_eager")])
-def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_float32, R, backend):
+def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_float32,
+                                                            no_compile_caches, R, backend):
     # (true float32 products: with tf32's cut operands the last bits that compile changes
     # elsewhere would show)
     # torch.compile(fullgraph=True) traces the fused region as the opaque custom op
@@ -465,10 +492,6 @@ def test_compiled_model_matches_eager_through_the_custom_op(monkeypatch, exact_f
     from model import PRESETS, Mamba3LM
 
     monkeypatch.setenv("MAMBA3_IMPL", "triton")
-    # compiled afresh: a graph cached by another version of kernels.py would bring that version's
-    # output shapes (the caches' keys do not cover a custom op's fake implementation)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     calls = []
     launch = kernels._tuned  # the custom ops' kernel launches
     monkeypatch.setattr(kernels, "_tuned",
