@@ -147,7 +147,8 @@ def _sigterm_in_step_12(rank):
 def _die_in_the_second_save(rank):
     """Rank 1 is killed in the optimizer's gather of the run's 2nd save; rank 0, waiting
     in it, too."""
-    real, calls = ckpt.dcp.get_optimizer_state_dict, []
+    import torch.distributed.checkpoint.state_dict as dcp  # ckpt.py imports it where used
+    real, calls = dcp.get_optimizer_state_dict, []
 
     def gather(*args, **kwargs):
         calls.append(1)
@@ -155,7 +156,7 @@ def _die_in_the_second_save(rank):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
 
-    ckpt.dcp.get_optimizer_state_dict = gather
+    dcp.get_optimizer_state_dict = gather
 
 
 def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identically(
