@@ -266,6 +266,7 @@ def step_files(dir):
 def list_steps(dir):
     """The steps of `dir` that count (see read_meta), ascending; others are reported and
     skipped."""
+    # read_meta checks sizes, not hashes, so listing stays cheap however large the steps.
     steps = []
     for step in sorted(step_files(dir)):
         try:
@@ -437,9 +438,12 @@ def save(dir, step, model, optimizer, meta, keep_last=None):
     versions = {lib.__name__: lib.__version__ for lib in (torch, np, safetensors)}
     versions["python"] = platform.python_version()
     meta = dict(meta or {}, step=step, time=time.time(), versions=versions)
+    # The config in the meta lets load refuse another model by name, not by a shape error.
     config = getattr(module, "config", None)
     if dataclasses.is_dataclass(config):
         meta["model_config"] = dataclasses.asdict(config)
+    # The meta and the optimizer file are checked before anything is written, so a refusal
+    # leaves the directory as it was.
     _check(meta, "meta", for_json=True)
     tensors, optim_file = _state(module, optimizer)
     # The other ranks of a sharded model have sent their shards to rank 0, which writes.
@@ -475,6 +479,8 @@ def lock(dir):
     except OSError as e:
         raise CheckpointError(f"cannot lock {d} ({e.strerror}); use another directory or fix "
                               "its permissions") from None
+    # The kernel releases a flock however its holder ends, so a stale lock never blocks a new
+    # run; the line below only tells a refused run who holds it.
     f.truncate(0)
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     f.write(f"PID {os.getpid()} on {platform.node()}, since {since}\n")
@@ -621,6 +627,8 @@ def load(dir, step, model, optimizer=None, strict=True, restore_rng=False):
     module = _unwrap(model)
     meta = read_meta(d, step, verify=True)
     where = f"checkpoint step {step} in {d}"
+    # Everything is read and checked before the model or the optimizer changes, so a bad
+    # checkpoint leaves them as they were.
     tensors, optim_file = _read_step(d, step, where)
     # Config, keys and shapes must agree; with strict=False only the shapes, and the keys both
     # have are loaded.
