@@ -148,6 +148,49 @@ def test_optimizer_file_loads_with_weights_only(tmp_path):
     assert same_optimizer(opt, fresh)
 
 
+def two_optimizers(model):
+    """Muon's split, with SGD standing in for it: the matrices in one optimizer, the rest in
+    another."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [torch.optim.SGD(matrices, lr=1e-2, momentum=0.9),
+            torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def test_a_list_of_optimizers_round_trips_each_state(tmp_path):
+    torch.manual_seed(0)
+    a = TinyLM()
+    opts_a = two_optimizers(a)
+    for _ in range(2):
+        for opt in opts_a:
+            train_step(a, opt)
+    ckpt.save(tmp_path, 2, a, opts_a, {})
+    saved = torch.load(tmp_path / "optim_step_2.pt", weights_only=True)["optimizer"]
+    assert [s["param_groups"][0]["lr"] for s in saved] == [1e-2, 1e-2] and len(saved) == 2
+    assert "momentum_buffer" in saved[0]["state"][0] and "exp_avg" in saved[1]["state"][0]
+    torch.manual_seed(1)
+    b = TinyLM()
+    opts_b = two_optimizers(b)
+    ckpt.load(tmp_path, 2, b, opts_b)
+    assert same_state(a, b)
+    assert all(same_optimizer(x, y) for x, y in zip(opts_a, opts_b))
+    for opt_a, opt_b in zip(opts_a, opts_b):
+        train_step(a, opt_a)
+        train_step(b, opt_b)
+    assert same_state(a, b)
+    # Another number of optimizers does not fit, and changes nothing.
+    c, opt_c = make(2)
+    before = {k: v.clone() for k, v in c.state_dict().items()}
+    with pytest.raises(CheckpointError, match="holds the state of 2 optimizers, the run has 1"):
+        ckpt.load(tmp_path, 2, c, opt_c)
+    assert all(torch.equal(v, before[k]) for k, v in c.state_dict().items())
+    # One optimizer and a list of one are the same checkpoint.
+    ckpt.save(tmp_path, 3, c, [opt_c], {})
+    d, opt_d = make(3)
+    ckpt.load(tmp_path, 3, d, opt_d)
+    assert same_state(c, d) and same_optimizer(opt_c, opt_d)
+
+
 def test_rng_states_are_restored_on_request(tmp_path):
     def draw():
         return torch.rand(4).tolist(), random.random(), np.random.rand(3).tolist(), np.random.randn()

@@ -401,6 +401,23 @@ def test_cli(tmp_path):
     assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr
 
 
+def test_an_empty_path_is_refused_naming_it(tmp_path):
+    make_run(tmp_path / "run")
+    before = sorted(os.listdir(tmp_path))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # where an empty OUT_DIR ("." to pathlib) would write
+    try:
+        for args, name in (([str(tmp_path / "run"), ""], "OUT_DIR"), (["", "out"], "RUN_DIR")):
+            result = CliRunner().invoke(official.app, ["export", *args])
+            assert result.exit_code == 2, result.output
+            assert (" ".join(result.stderr.split())
+                    == f"error: {name}: expected a path, found an empty string (write . for "
+                    "the current directory)")
+    finally:
+        os.chdir(cwd)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 @pytest.mark.parametrize("name", ["out", "exp[1]"])  # a name that is also a glob pattern is itself
 def test_an_export_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, monkeypatch, name):
     make_run(tmp_path / "run", steps=(1, 2))

@@ -715,7 +715,8 @@ def test_plot_into_a_place_it_cannot_write_is_one_paragraph(run3, tmp_path, monk
         def read_only(*args, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied", str(target))
 
-        monkeypatch.setattr(plot.Figure, "savefig", read_only)
+        from matplotlib.figure import Figure  # plot.py imports it where it draws
+        monkeypatch.setattr(Figure, "savefig", read_only)
     result = runner.invoke(plot.app, [str(run3), "--out", str(target)])
     assert result.exit_code == 2 and f"--out {target}: could not write it" in result.output
     assert ("Is a directory" if fault == "directory" else "Permission denied") in result.output

@@ -131,6 +131,75 @@ def test_an_fsdp_checkpoint_is_any_checkpoint(runs):
         assert_close(state, theirs["state"][i])
 
 
+def _two_optimizers(model):
+    """Muon's split, with SGD standing in for it: the matrices in one optimizer, the rest in
+    another."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [torch.optim.SGD(matrices, lr=0.1, momentum=0.9), torch.optim.AdamW(rest, lr=0.1)]
+
+
+def _small_model_one_step(shard):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 4))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    optimizers = _two_optimizers(model)
+    torch.manual_seed(1)  # the same batch on each rank: the mean gradient is one process's
+    model(torch.randn(6, 8)).square().mean().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    return model, optimizers
+
+
+def _save_and_reload_two_optimizers(rank, port, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ckpt.save(out, 1, *_small_model_one_step(shard=True), {})
+    dist.barrier()
+    model, optimizers = _small_model_one_step(shard=True)
+    ckpt.load(out, 1, model, optimizers)
+    ckpt.save(out, 2, model, optimizers, {})  # what the load set, gathered again
+    dist.destroy_process_group()
+
+
+def test_a_list_of_optimizers_of_a_sharded_model_is_saved_as_one_process_saves_it(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_save_and_reload_two_optimizers, args=(r, port, tmp_path))
+             for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(90)
+        if p.exitcode is None:
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    ckpt.save(tmp_path / "plain", 1, *_small_model_one_step(shard=False), {})
+    def optimizer_states(path):
+        return torch.load(path, weights_only=True)["optimizer"]
+
+    sharded = optimizer_states(tmp_path / "optim_step_1.pt")
+    reloaded = optimizer_states(tmp_path / "optim_step_2.pt")
+    plain = optimizer_states(tmp_path / "plain" / "optim_step_1.pt")
+    assert len(sharded) == len(plain) == 2
+    for ours, again, theirs in zip(sharded, reloaded, plain):
+        assert ([g["params"] for g in ours["param_groups"]]
+                == [g["params"] for g in theirs["param_groups"]])
+        assert ours["state"].keys() == again["state"].keys() == theirs["state"].keys()
+        for i in ours["state"]:
+            assert_close(ours["state"][i], theirs["state"][i], tol=1e-6)
+            assert all(torch.equal(v, again["state"][i][k]) for k, v in ours["state"][i].items())
+    model, optimizers = _small_model_one_step(shard=False)
+    ckpt.load(tmp_path, 1, model, optimizers)  # and one plain process reads it
+
+
 def _sigterm_in_step_12(rank):
     """Rank 1 (which writes nothing) is sent SIGTERM in step 12: both finish it and save step 13."""
     real, calls = train.micro_step, []
@@ -147,7 +216,8 @@ def _sigterm_in_step_12(rank):
 def _die_in_the_second_save(rank):
     """Rank 1 is killed in the optimizer's gather of the run's 2nd save; rank 0, waiting
     in it, too."""
-    real, calls = ckpt.dcp.get_optimizer_state_dict, []
+    import torch.distributed.checkpoint.state_dict as dcp  # ckpt.py imports it where used
+    real, calls = dcp.get_optimizer_state_dict, []
 
     def gather(*args, **kwargs):
         calls.append(1)
@@ -155,7 +225,7 @@ def _die_in_the_second_save(rank):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
 
-    ckpt.dcp.get_optimizer_state_dict = gather
+    dcp.get_optimizer_state_dict = gather
 
 
 def test_fsdp_stops_on_a_signal_and_resumes_after_kill_9_in_a_save_bit_identically(

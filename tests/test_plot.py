@@ -74,6 +74,27 @@ def test_cli_overlays_runs_into_one_png(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "one.svg").read_text().lstrip().startswith("<?xml")
 
 
+def test_an_empty_path_is_refused_naming_it(tmp_path, monkeypatch):
+    resumed, _ = two_runs(tmp_path)
+    monkeypatch.chdir(tmp_path)  # where an empty path ("." to pathlib) would point
+    before = sorted(os.listdir(tmp_path))
+    for args, name in (([str(resumed), "--out", ""], "--out"),
+                       (["", "--out", "x.png"], "RUN_DIR"),
+                       ([str(resumed), "", "--out", "x.png"], "RUN_DIR")):
+        r = CliRunner().invoke(plot.app, args)
+        assert r.exit_code == 2, (args, r.output)
+        assert (" ".join(r.stderr.split()) == f"error: {name}: expected a path, found an empty "
+                "string (write . for the current directory)")
+    assert sorted(os.listdir(tmp_path)) == before
+    # As a user runs it: refused before matplotlib is imported.
+    code = ("import sys, runpy; sys.argv = ['plot.py', 'x', '--out', '']\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code == 2, e.code\n"
+            "assert 'matplotlib' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.smoke
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path):
     resumed, _ = two_runs(tmp_path)

@@ -398,6 +398,15 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     assert result.exit_code == 2 and "no such directory" in result.output
 
 
+def test_sample_refuses_an_empty_out_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where an empty path ("." to pathlib) would point
+    result = runner.invoke(sample.app, ["--out-dir", ""])
+    assert result.exit_code == 2, result.output
+    assert (" ".join(result.stderr.split()) == "error: --out-dir: expected a path, found an "
+            "empty string (write . for the current directory)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sample_never_draws_ids_beyond_the_tokenizer(tmp_path):
     # a model trained with --vocab-size 2000 on byte data: an untrained one puts most mass on
     # ids 257..1999
