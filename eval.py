@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Literal, Optional
 from urllib.parse import urlparse
 
+import lm_eval
 import torch
 import typer
 from lm_eval.api.model import LM
+from lm_eval.utils import make_table
 from rich.console import Console
 from rich.progress import Progress
 
@@ -111,6 +113,8 @@ class Mamba3Harness(LM):
 
     def batches(self, items, what):
         """(positions, items) in batches, longest first, with a progress bar."""
+        # Neighbours in length share a batch, so little of it is padding; the longest batch
+        # comes first, so one that does not fit in memory fails at once.
         order = sorted(range(len(items)), key=lambda i: -len(items[i]))
         bar, task = progress(len(items), what)
         try:
@@ -124,6 +128,8 @@ class Mamba3Harness(LM):
     def padded(self, sequences):
         """Token lists -> (B, longest) int64 on the model's device, right-padded with EOS."""
         longest = max(len(s) for s in sequences)
+        # Any id would do as padding: it comes after the real tokens, which a causal model
+        # never lets see it.
         idx = torch.full((len(sequences), longest), self.eos, dtype=torch.long)
         for row, tokens in enumerate(sequences):
             idx[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -154,6 +160,9 @@ class Mamba3Harness(LM):
                 rows.append(h[row, first:first + s.n_scored])
             logits = wide(self.model.logits(torch.cat(rows)))
         logp = logits.log_softmax(-1)
+        # A continuation is greedy when every one of its tokens is the argmax after the
+        # tokens before it, which are the continuation's own: exactly what greedy decoding
+        # would have written.
         greedy = logits.argmax(-1)
         results = []
         start = 0
@@ -200,6 +209,8 @@ class Mamba3Harness(LM):
         targets = idx[:, 1:]
         lengths = torch.tensor([len(d) - 1 for d in docs], device=self.where)
         scored = torch.arange(inputs.shape[1], device=self.where) < lengths[:, None]
+        # The cache holds each row's state between windows: the next window continues the
+        # recurrence where this one stopped, as one forward over the whole text would.
         cache = self.model.init_cache(len(docs))
         totals = [0.0] * len(docs)
         for start in range(0, inputs.shape[1], self.window):
@@ -208,6 +219,7 @@ class Mamba3Harness(LM):
                 logits = wide(self.model.logits(self.model.hidden(x, cache)))
             y = targets[:, start:start + self.window]
             logp = logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+            # Padding past a text's end is not the text's: it scores nothing.
             logp = torch.where(scored[:, start:start + self.window], logp, 0)
             for row, value in enumerate(logp.sum(1).tolist()):
                 totals[row] += value
@@ -236,6 +248,8 @@ class Mamba3Harness(LM):
                 if int(token[0]) == self.eos:
                     break
                 new.append(int(token[0]))
+                # Stop strings are text, and a token may hold part of one, so the text so far
+                # is decoded and searched after each token.
                 text = self.tokenizer.decode(new)
                 if any(stop in text for stop in until):
                     break
@@ -281,6 +295,8 @@ def read_source(path, step):
         raise EvalError(f"{path}: no such directory; expected a train.py run directory, an "
                         "export of one, or an official Mamba-3 directory (config.json with "
                         "model.safetensors or pytorch_model.bin)")
+    # Checkpoint files make a run directory, even when none of them verifies: load_model then
+    # says which and why.
     if ckpt.step_files(path):
         model, meta, step = official.load_model(path, step)
         return model, step, meta.get("tokenizer")
@@ -302,6 +318,7 @@ def pick_tokenizer(flag, spec, path):
     tokenizer.json; refused when none of them is there."""
     if flag in ("gpt2", "byte"):
         return load_tokenizer({"name": flag})
+    # Anything else names a tokenizer.json file.
     if flag:
         file = Path(flag)
         if not file.is_file():
@@ -354,12 +371,15 @@ def task_manager(names, include):
     """lm-eval's TaskManager that knows every name, or an EvalError naming the unknown ones.
     Indexing lm-eval's own thousands of YAML files takes seconds, so tasks that --include
     holds alone are looked up there alone."""
+    # Imported here, not at the top: it imports the datasets library, which reads the Hub's
+    # offline switches once, when first imported.
     from lm_eval.tasks import TaskManager
     if include is not None:
         manager = TaskManager(include_path=str(include), include_defaults=False)
         if all(name in manager.all_tasks for name in names):
             return manager
     manager = TaskManager(include_path=None if include is None else str(include))
+    # A task may also be named by the path of its YAML file.
     unknown = [n for n in names if n not in manager.all_tasks and not Path(n).is_file()]
     if unknown:
         where = "its own tasks" if include is None else f"its own tasks or {include}"
@@ -372,6 +392,7 @@ def task_manager(names, include):
 def run_tasks(harness, names, manager, num_fewshot, limit):
     """lm-eval's results dict of the tasks `names`, or an EvalError when a dataset needs a
     download that cannot happen."""
+    # Imported here for the same reason as TaskManager.
     from lm_eval import simple_evaluate
     try:
         return simple_evaluate(model=harness, tasks=names, num_fewshot=num_fewshot,
@@ -454,8 +475,6 @@ def main(
         official.check_impl(model)
         harness = Mamba3Harness(model, loaded.tokenizer, batch_size, autocast)
         results = run_tasks(harness, names, manager, num_fewshot, limit)
-    from lm_eval import __version__ as lm_eval_version
-    from lm_eval.utils import make_table
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
@@ -463,7 +482,7 @@ def main(
         return
     report = {"results": results["results"], "source": str(source), "step": loaded.step,
               "tokenizer": loaded.spec, "dtype": dtype_name, "device": device,
-              "lm_eval_version": lm_eval_version, "seconds": round(time.time() - started, 3),
+              "lm_eval_version": lm_eval.__version__, "seconds": round(time.time() - started, 3),
               "tasks": names, "num_fewshot": num_fewshot, "limit": limit}
     if results.get("groups"):
         report["groups"] = results["groups"]

@@ -47,6 +47,16 @@ class CharTokenizer:
         return "".join(chr(0x100 + i) for i in ids)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These models are tiny: a second thread only adds waiting, many times the work itself on
+    # a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_model(config=CONFIG, dtype=torch.float64, seed=0):
     """A random model with every parameter perturbed, and the slowest decays made slower, so
     that its output depends on tokens long before."""
