@@ -2,6 +2,7 @@
 greedy generations equal what the model computes directly; a run directory and its export score
 the same; bad input is refused in one paragraph with exit 2 and nothing written. Offline: the
 tasks are the YAML and JSONL files of tests/eval_tasks."""
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -13,7 +14,6 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
@@ -153,7 +153,7 @@ def test_rolling_carries_the_state_and_equals_one_forward(config):
 def test_rolling_clears_the_state_after_a_reset_token():
     # With reset_token the EOS, a window that ends on it must start the next from a clear
     # state, as the forward resets there.
-    config = ModelConfig(**{**CONFIG.__dict__, "reset_token": 256})
+    config = dataclasses.replace(CONFIG, reset_token=256)
     model = make_model(config)
     tok = CharTokenizer()
     harness = eval_py.Mamba3Harness(model, tok, window=1)
