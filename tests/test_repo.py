@@ -39,7 +39,7 @@ def test_quickstart_uses_existing_files_and_flags():
         assert flags and set(flags) <= names, (script, flags)
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         if line and not line.startswith("#"):
-            assert re.match(r"^[a-z]+>=[0-9.]+", line), line
+            assert re.match(r"^[a-z][a-z0-9_-]*>=[0-9.]+", line), line
 
 
 def compressed_idioms(tree):
