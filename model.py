@@ -11,8 +11,8 @@ with the MLP omitted when mlp_hidden is 0; then a final RMSNorm and an LM head t
 embedding. The mixer is a bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle,
 then kernels.mixer, then a bias-free out_proj. MIMO (mimo_rank R > 1) has R ranks of B and
 C, lifts x and z per head to R inputs and gates (mimo_x, mimo_z) and sums the R outputs
-(mimo_o): R times the scan's FLOPs on the same state. Decoding runs the recurrence one token
-per step and reproduces the forward's logits.
+(mimo_o): R times the scan's FLOPs on the same state. Decoding runs the recurrence one
+token per step and reproduces the forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -88,16 +88,17 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.d_inner % self.headdim or self.n_heads % self.ngroups:
-            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple "
-                             f"of headdim {self.headdim}, and its heads of ngroups "
-                             f"{self.ngroups}")
+            raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a "
+                             f"multiple of headdim {self.headdim}, and its heads of "
+                             f"ngroups {self.ngroups}")
         if self.vocab_size < 1 or self.n_layer < 1:
-            raise ValueError(f"vocab_size and n_layer must be positive, got {self.vocab_size} "
-                             f"and {self.n_layer}")
+            raise ValueError(f"vocab_size and n_layer must be positive, got "
+                             f"{self.vocab_size} and {self.n_layer}")
         if self.mimo_rank < 1 or self.chunk_size % self.mimo_rank:
             raise ValueError(f"mimo_rank (--mimo-rank) must be at least 1 and divide "
-                             f"chunk_size {self.chunk_size} (chunk_size // mimo_rank tokens "
-                             f"of mimo_rank rows make a chunk), got {self.mimo_rank}")
+                             f"chunk_size {self.chunk_size} (chunk_size // mimo_rank "
+                             f"tokens of mimo_rank rows make a chunk), got "
+                             f"{self.mimo_rank}")
 
 
 # The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is
@@ -225,7 +226,8 @@ class Mamba3Mixer(nn.Module):
             self.C_bias, self.D, headdim=cfg.headdim, ngroups=cfg.ngroups,
             n_angles=cfg.n_angles, chunk_size=cfg.chunk_tokens, A_floor=cfg.A_floor,
             eps=cfg.norm_eps, reset=reset, state=state, impl=impl, mimo=mimo)
-        # The cache moves forward in place, so that the caller's object holds the new state.
+        # The cache moves forward in place, so that the caller's object holds the new
+        # state.
         if cache is not None:
             for name, value in zip(CACHE_KEYS, state):
                 cache[name].copy_(value)
@@ -261,6 +263,19 @@ class Block(nn.Module):
         return h
 
 
+def sample_next(logits, temperature=1.0, top_k=None, generator=None):
+    """logits (B, V) -> (B,) int64: greedy at temperature 0, else sampled among the
+    top_k."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
 class Mamba3LM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -274,9 +289,10 @@ class Mamba3LM(nn.Module):
         # Tied: one tensor, two uses.
         self.lm_head.weight = self.embed.weight
 
-        # The embedding starts N(0, 0.02); the Linear layers keep PyTorch's default. The two
-        # projections that write into the residual stream are scaled by 1/sqrt(2 n_layer),
-        # so that the stream's variance does not grow with depth (two writes per block).
+        # The embedding starts N(0, 0.02); the Linear layers keep PyTorch's default. The
+        # two projections that write into the residual stream are scaled by
+        # 1/sqrt(2 n_layer), so that the stream's variance does not grow with depth (two
+        # writes per block).
         nn.init.normal_(self.embed.weight, std=0.02)
         scale = 1 / math.sqrt(2 * config.n_layer)
         with torch.no_grad():
@@ -286,7 +302,8 @@ class Mamba3LM(nn.Module):
                     block.mlp.down.weight.mul_(scale)
 
     def num_params(self):
-        """Parameters, the tied embedding / LM head once (padded vocabulary rows included)."""
+        """Parameters, the tied embedding / LM head once (padded vocabulary rows
+        included)."""
         return sum(p.numel() for p in self.parameters())
 
     def param_groups(self, weight_decay):
@@ -303,10 +320,10 @@ class Mamba3LM(nn.Module):
                 {"params": rest, "weight_decay": 0.0}]
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every
-        matmul (the LM head included, the embedding lookup not), plus the scan's matmuls per
-        chunk of C tokens, C*R rows at MIMO rank R: Q K^T and M X (2CR^2(N+P) per token and
-        head) and the state in and out (4RPN)."""
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of
+        every matmul (the LM head included, the embedding lookup not), plus the scan's
+        matmuls per chunk of C tokens, C*R rows at MIMO rank R: Q K^T and M X (2CR^2(N+P)
+        per token and head) and the state in and out (4RPN)."""
         cfg = self.config
         matmul_params = 0
         for module in self.modules():
@@ -346,8 +363,8 @@ class Mamba3LM(nn.Module):
         return self.lm_head(h)[..., : self.config.vocab_size]
 
     def forward(self, idx, targets=None):
-        """idx (B, L) int64 -> (logits (B, L, vocab_size), loss or None). Targets equal to -1
-        are ignored."""
+        """idx (B, L) int64 -> (logits (B, L, vocab_size), loss or None). Targets equal
+        to -1 are ignored."""
         logits = self.logits(self.hidden(idx))
         loss = None
         if targets is not None:
@@ -359,8 +376,9 @@ class Mamba3LM(nn.Module):
 
     def init_cache(self, batch_size):
         """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k
-        (B, H, N), or its R k's (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R inputs
-        are lifted from it again). Phi and S are float32 (float64 for a float64 model)."""
+        (B, H, N), or its R k's (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R
+        inputs are lifted from it again). Phi and S are float32 (float64 for a float64
+        model)."""
         cfg = self.config
         p = self.embed.weight
         fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -382,8 +400,8 @@ class Mamba3LM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, idx, cache, impl="auto"):
-        """idx (B, L) through the chunked scan (or impl) from the cache's state, which moves
-        on in place -> the last logits (B, vocab_size)."""
+        """idx (B, L) through the chunked scan (or impl) from the cache's state, which
+        moves on in place -> the last logits (B, vocab_size)."""
         logits = self.logits(self.hidden(idx, cache, impl)[:, -1])
         # A sequence whose last consumed token is reset_token goes on as a fresh document.
         if self.config.reset_token is not None:
@@ -418,19 +436,6 @@ class Mamba3LM(nn.Module):
         return torch.cat([idx] + columns, dim=1)
 
 
-def sample_next(logits, temperature=1.0, top_k=None, generator=None):
-    """logits (B, V) -> (B,) int64: greedy at temperature 0, else sampled among the
-    top_k."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
 # A training step's memory, measured on a CPU (peak RSS, float32). Per token: 213-243 bytes
 # per d_model and layer (321 for tiny), or 28-32 under gradient checkpointing plus one
 # block's whole; and 11 per vocabulary row (logits, softmax, gradients). The optimizer's
@@ -441,8 +446,8 @@ LOGIT_BYTES = 12
 
 
 def activation_bytes(config, tokens, recompute=False):
-    """About how many bytes the activations of a training micro-batch of `tokens` tokens take
-    (recompute: under gradient checkpointing, which keeps one block's whole)."""
+    """About how many bytes the activations of a training micro-batch of `tokens` tokens
+    take (recompute: under gradient checkpointing, which keeps one block's whole)."""
     n = config.n_layer
     # Bytes per d_model and token, over all layers.
     if recompute:
