@@ -577,6 +577,8 @@ def test_a_seed_beyond_int64_is_a_usage_error(app, flags, seed):
 @pytest.mark.smoke
 @pytest.mark.parametrize("flags, message", [
     (["--out-dir", ""], "--out-dir is empty"), (["--out-dir", "  "], "--out-dir is empty"),
+    (["--init-from", ""], "--init-from is empty"), (["--init-from", " "], "--init-from is empty"),
+    (["--data", ""], "--data is empty"),
     (["--lr", "inf"], "--lr inf: expected a finite number"),
     (["--lr", "nan"], "--lr nan: expected a finite number"),
     (["--min-lr", "nan"], "'--min-lr'"),
@@ -744,6 +746,21 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_do(run3, corpus, tmp_
     assert (text.index("is at step 3 of --max-steps 3 already: nothing to do")
             < text.index("mamba3-lite train"))
     assert fingerprint(out) == before and "step 4" not in text
+
+
+def test_a_finished_run_rerun_changes_nothing_on_disk(run3, corpus, tmp_path):
+    out = copied(run3, tmp_path)
+
+    def contents():
+        # The lock file names the process that holds the directory, the rerun while it reads
+        return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*"))
+                if p.is_file() and p.name != ".lock"}
+
+    before = contents()
+    # other flags than the run's: a config.json written now would differ
+    text = run("--data", corpus, *BASE, "--max-steps", 3, "--log-every", 1, "--out-dir", out)
+    assert "nothing to do" in text
+    assert contents() == before and (out / ".lock").is_file()
 
 
 def test_files_are_written_with_the_users_umask(run3, tmp_path):
