@@ -752,17 +752,23 @@ if _triton_fits():
         return tl.where(w > 0, v / tl.where(w > 0, w, 1.0), 0.0)
 
     @triton.jit
+    def _sum_in(s, s1, v1, s2, v2):
+        # The sums v1, v2 of two ranges of rows, counted where their
+        # segment s1, s2 is s.
+        return tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
+
+    @triton.jit
     def _last_segment(s1, v1, s2, v2):
         # Two ranges of rows as (their last row's segment, their sum in
         # it); seg never decreases.
         s = tl.maximum(s1, s2)
-        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
+        return s, _sum_in(s, s1, v1, s2, v2)
 
     @triton.jit
     def _first_segment(s1, v1, s2, v2):
         # The same for a backward scan (the first row's segment).
         s = tl.minimum(s1, s2)
-        return s, tl.where(s1 == s, v1, 0.0) + tl.where(s2 == s, v2, 0.0)
+        return s, _sum_in(s, s1, v1, s2, v2)
 
     @triton.jit
     def _seg_cumsum(v, seg, REVERSE: tl.constexpr,
