@@ -217,6 +217,17 @@ def _one_line_warning(message, *args, **kwargs):
     return f"warning: {message}\n"
 
 
+def refuse_empty_path(option, value, what="a path"):
+    """Refuse an empty string given for a path option or argument, naming the option.
+
+    Path("") is ".", the working directory: an unset variable in a shell ("$OUT") names
+    it by accident, and an output written there would replace it. The command lines take
+    their paths as the strings typed (Typer's path_type=str) so that this check sees them.
+    """
+    if value == "":
+        raise DataError(f"{option}: expected {what}, found an empty string")
+
+
 @contextlib.contextmanager
 def cli_errors(*expected):
     """The body of a command-line tool.

@@ -591,14 +591,6 @@ def export(run_dir, out_dir, step=None) -> Path:
 # command line: python official.py export RUN_DIR OUT_DIR [--step N]
 
 
-def refuse_empty_path(name, value):
-    """Refuse an empty string given for the path option or argument `name`."""
-    # Path("") is the current directory, which is never what an empty string meant.
-    if value == "":
-        raise ValueError(f"{name}: expected a path, found an empty string (write . for the "
-                         "current directory)")
-
-
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="rich",
                   help="The official mamba_ssm format (export, read_pretrained, load_model).")
@@ -625,8 +617,8 @@ def export_main(
     MambaLMHeadModel.from_pretrained and lm-evaluation-harness (--model mamba_ssm) load."""
     # ValueError: an empty path, data.DataError, another export under way.
     with data.cli_errors(CheckpointError, ValueError):
-        refuse_empty_path("RUN_DIR", run_dir)
-        refuse_empty_path("OUT_DIR", out_dir)
+        data.refuse_empty_path("RUN_DIR", run_dir)
+        data.refuse_empty_path("OUT_DIR", out_dir)
         run_dir = Path(run_dir)
         out = export(run_dir, out_dir, step)
     # The marker names the step exported, which by default was the newest that verified.

@@ -16,21 +16,13 @@ from typing import List
 import typer
 from rich.console import Console
 
-from data import cli_errors
+from data import DataError, cli_errors, refuse_empty_path
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
 class PlotError(ValueError):
     """Bad input: the message names the file, what was expected and what was found."""
-
-
-def refuse_empty_path(name, value):
-    """Refuse an empty string given for the path option or argument `name`."""
-    # Path("") is the current directory, which is never what an empty string meant.
-    if value == "":
-        raise PlotError(f"{name}: expected a path, found an empty string (write . for the "
-                        "current directory)")
 
 
 def image_formats():
@@ -142,7 +134,7 @@ def main(
 ):
     """Plot train and validation loss, learning rate and tokens/s against tokens seen."""
     # Every input is checked before the image is drawn, so a refusal writes nothing.
-    with cli_errors(PlotError):
+    with cli_errors(PlotError, DataError):
         for run_dir in run_dirs:
             refuse_empty_path("RUN_DIR", run_dir)
         refuse_empty_path("--out", out)

@@ -44,8 +44,8 @@ import typer
 from typer import Option
 
 from data import (EOS_TOKENS, MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, DataError,
-                  cli_errors, load_tokenizer, open_tokens, read_manifest, replace_dir,
-                  sha256, shard_problem, split_totals, write_atomic)
+                  cli_errors, load_tokenizer, open_tokens, read_manifest, refuse_empty_path,
+                  replace_dir, sha256, shard_problem, split_totals, write_atomic)
 
 DEMO_OUT = Path("data/demo")
 # Text per task sent to a worker: enough to amortise the copy between processes.
@@ -802,15 +802,6 @@ def _stoppable(out: Path):
         signal.signal(signal.SIGTERM, handler)
 
 
-def _refuse_empty(option, value, what):
-    """Refuse a path given as an empty string.
-
-    Path("") is ".", the working directory: an unset variable in a shell ("$OUT") would
-    name it by accident, and an output there would replace it."""
-    if value == "":
-        raise DataError(f"{option}: expected {what}, found an empty string")
-
-
 # Typer passes the path arguments on as the strings typed (path_type=str), so that an
 # empty one can be told from "." and refused; the commands make them Paths after that.
 def main(
@@ -834,9 +825,9 @@ def main(
     with cli_errors(DataError, OSError):
         # Refused before anything is read or written.
         for path in inputs or []:
-            _refuse_empty("INPUT", path, "a file or directory")
-        _refuse_empty("--out-dir", out, "a directory")
-        _refuse_empty("--tokenizer", tokenizer, "gpt2, byte or a tokenizer.json file")
+            refuse_empty_path("INPUT", path, "a file or directory")
+        refuse_empty_path("--out-dir", out, "a directory")
+        refuse_empty_path("--tokenizer", tokenizer, "gpt2, byte or a tokenizer.json file")
         # Only the demo has a default output directory.
         if out is None:
             out_dir = DEMO_OUT
@@ -875,7 +866,7 @@ Directory = Annotated[Path, typer.Argument(path_type=str,
 def _refuse_empty_directory(directory):
     """The DIRECTORY of `verify` or `info` as a Path, or exit 2 for an empty string."""
     with cli_errors(DataError):
-        _refuse_empty("DIRECTORY", directory, "a prepare.py output directory")
+        refuse_empty_path("DIRECTORY", directory, "a prepare.py output directory")
     return Path(directory)
 
 

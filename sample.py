@@ -11,9 +11,9 @@ import torch
 import typer
 
 from ckpt import CheckpointError
-from data import cli_errors, load_tokenizer
+from data import cli_errors, load_tokenizer, refuse_empty_path
 from model import pick_device
-from official import check_impl, load_model, refuse_empty_path
+from official import check_impl, load_model
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="rich")

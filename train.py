@@ -128,9 +128,8 @@ class TrainConfig:
     """The flags (main's signature); resolve() fills the (preset) ones. Saved in
     config.json."""
     data: Annotated[List[str], Option(
-        help="A prepare.py directory, nanoGPT .bin (or directory), shard_*.bin directory "
-             "or Megatron prefix; DIR:WEIGHT (repeated) blends; 'synthetic': random "
-             "tokens (speed tests only).")]
+        help=f"Token data: {data.FORMATS}; DIR:WEIGHT (repeated) blends; 'synthetic': "
+             "random tokens (speed tests only).")]
     model: Annotated[Optional[Literal[tuple(PRESETS)]], Option(
         help="Model preset; sets the (preset) defaults too (default: small, or "
              "--init-from's).")] = None
