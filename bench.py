@@ -685,6 +685,158 @@ def gpu(
 
 
 # -----------------------------------------------------------------------------
+# bench.py eval
+
+# Words of the stand-in task's made-up texts.
+WORDS = ("the man then woman picks up a ball and throws it across field while dog runs "
+         "after kitchen knife cuts onion slowly into small pieces before adding them to "
+         "pan she he they camera shows").split()
+
+# A multiple-choice task of hellaswag's shape over a local JSONL file, as eval.py --include
+# reads it: a context, four endings, the index of the right one; acc and acc_norm.
+CHOICE_YAML = """task: bench_hellaswag_shaped
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {data}
+validation_split: validation
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def made_up(rng, n_words):
+    """A text of about n_words words (+-20%) drawn from WORDS."""
+    low = max(1, int(n_words * 0.8))
+    high = int(n_words * 1.2) + 1
+    count = int(rng.integers(low, high))
+    return " ".join(rng.choice(WORDS, count))
+
+
+def choice_docs(n_docs, seed=0):
+    """Documents of hellaswag's shape: a context of about 40 words (hellaswag's ctx), and
+    four endings of about 20 words each, of similar lengths."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n_docs):
+        query = made_up(rng, 40).capitalize() + "."
+        choices = []
+        for _ in range(4):
+            choices.append(made_up(rng, 20) + ".")
+        docs.append({"query": query, "choices": choices, "label": int(rng.integers(4))})
+    return docs
+
+
+def write_choice_task(directory, docs):
+    """The stand-in task's YAML and JSONL in `directory`; returns the task's name."""
+    directory = Path(directory)
+    jsonl = directory / "bench_choice.jsonl"
+    lines = [json.dumps(doc) for doc in docs]
+    jsonl.write_text("\n".join(lines) + "\n")
+    (directory / "bench_choice.yaml").write_text(CHOICE_YAML.format(data=jsonl))
+    return "bench_hellaswag_shaped"
+
+
+def loglikelihood_contenders(model, docs, batch_size):
+    """{name: fn} for the harness's loglikelihood of every (context, ending) pair of docs and
+    a plain forward over the same tokens, and the tokens each runs."""
+    # Imported here: lm-eval takes seconds to import, and only this table needs it.
+    import eval as E
+    from lm_eval.api.instance import Instance
+
+    harness = E.Mamba3Harness(model, D.ByteTokenizer(), batch_size)
+    requests = []
+    for doc in docs:
+        for ending in doc["choices"]:
+            # hellaswag's continuation is the ending after a space.
+            args = (doc["query"], " " + ending)
+            requests.append(Instance("loglikelihood", doc={}, arguments=args, idx=0))
+    sequences = [harness.encode_pair(*r.args).tokens for r in requests]
+    # The plain forward: the same tokens, packed into rows of the mean length, no padding,
+    # the logits of every position.
+    stream = list(itertools.chain.from_iterable(sequences))
+    length = len(stream) // len(sequences)
+    rows = len(stream) // length
+    # (rows, length)
+    packed = torch.tensor(stream[:rows * length]).view(rows, length)
+
+    def forward():
+        with torch.no_grad():
+            for start in range(0, rows, batch_size):
+                model(packed[start:start + batch_size])
+
+    def loglikelihood():
+        harness.loglikelihood(requests)
+
+    fns = {"harness": loglikelihood, "forward": forward}
+    tokens = {"harness": len(stream), "forward": rows * length}
+    return fns, tokens
+
+
+@app.command("eval")
+def eval_(
+    model: Preset = typer.Option("small", help="The preset (byte vocabulary), random weights."),
+    docs: int = typer.Option(200, min=1, help="Documents of the stand-in task (4 endings each)."),
+    throughput_docs: int = typer.Option(50, min=1, help="Documents whose requests the "
+                                        "loglikelihood table times."),
+    batch_size: int = typer.Option(16, min=1, help="Requests (rows) per forward."),
+    reps: int = typer.Option(3, min=1, help="Interleaved repetitions."),
+    wall: bool = typer.Option(True, "--wall/--no-wall", help="Also time `python eval.py` "
+                              "on the stand-in task."),
+):
+    """eval.py on CPU: the harness's loglikelihood tokens/s against a plain forward over the same
+    tokens (goal >= 0.8x), and the wall time of `python eval.py RUN --tasks ... --limit DOCS` on
+    an offline task of hellaswag's shape (no network here: it stands in for hellaswag)."""
+    name = model.value
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(PRESETS[name], vocab_size=257)
+    lm = Mamba3LM(cfg).eval()
+    fns, tokens = loglikelihood_contenders(lm, choice_docs(throughput_docs), batch_size)
+    times = time_interleaved(fns, reps)
+    speed = {}
+    for key in fns:
+        speed[key] = tokens[key] / times[key]
+    rows = []
+    for key in fns:
+        ratio = speed[key] / speed["forward"]
+        rows.append([key, f"{tokens[key]:,}", f"{times[key]:.2f}", f"{speed[key]:,.0f}",
+                     f"{ratio:.2f}x"])
+    print_table(f"loglikelihood of {throughput_docs * 4} requests ({name} preset, float32, "
+                f"batch {batch_size}), medians of {reps}",
+                ["", "tokens", "s", "tokens/s", "vs forward"], rows)
+    console.print("goal: harness >= 0.80x the plain forward")
+    if wall:
+        with tempfile.TemporaryDirectory() as d:
+            # A run directory of the preset, as eval.py reads one.
+            C.save(Path(d) / "run", 1, lm, None, {"tokenizer": {"name": "byte"}})
+            task = write_choice_task(d, choice_docs(docs))
+            command = [sys.executable, str(ROOT / "eval.py"), str(Path(d) / "run"), "--tasks",
+                       task, "--include", d, "--limit", str(docs), "--device", "cpu",
+                       "--batch-size", str(batch_size)]
+            # The Hub is never needed: the task's data is local.
+            env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+            t0 = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            seconds = time.perf_counter() - t0
+        if done.returncode != 0:
+            say(done.stdout + done.stderr)
+            raise typer.Exit(1)
+        say(done.stdout.strip())
+        console.print(f"python eval.py RUN --tasks {task} --limit {docs} ({name} preset, an "
+                      f"offline stand-in for hellaswag: {docs} documents of 4 endings): "
+                      f"{seconds:.1f} s wall")
+    console.print(f"machine: {machine()}")
+
+# -----------------------------------------------------------------------------
 # bench.py all
 
 

@@ -95,18 +95,25 @@ SHARD_FIELDS = {
     "max_token_id": COUNT,
     "sha256": ("a string", lambda v: type(v) is str),
 }
+# Fields a manifest may lack, checked when present: "bytes" counts the UTF-8 bytes of the
+# documents' text (an EOS adds none), for bits per byte. Manifests written before it have
+# none, and stay valid.
+OPTIONAL_FIELDS = {"bytes": COUNT}
 
 # A split's totals, and how each is made of its shards' values.
 _TOTALS = {"tokens": sum, "documents": sum, "max_token_id": max}
 
 
 def split_totals(shards) -> dict:
-    """A split's tokens, documents and max_token_id from its shards' entries.
+    """A split's tokens, documents and max_token_id from its shards' entries, and its bytes
+    when every shard counts them.
 
     Readers trust them: prepare.py writes them, and read_manifest checks them."""
     totals = {}
     for key, total in _TOTALS.items():
         totals[key] = total([0] + [shard[key] for shard in shards])
+    if all("bytes" in shard for shard in shards):
+        totals["bytes"] = sum(shard["bytes"] for shard in shards)
     return totals
 
 
@@ -422,6 +429,9 @@ class TokenSource:
         self.vocab_size = manifest.get("vocab_size")
         self.eos_id = manifest.get("eos_id")
         self.tokenizer = manifest.get("tokenizer")
+        # The UTF-8 bytes of the text these tokens hold, when a manifest counts them (its
+        # opener sets it): bits per byte need it.
+        self.text_bytes = None
         files = [Path(f) for f in files]
         _allow_open_files(len(files))
         for f in files:
@@ -571,8 +581,13 @@ def _check_fields(path, obj, fields, where):
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected {where.rstrip('.')} to be an object, found "
                         f"{json.dumps(obj)[:60]}")
+    # An optional field is checked only where it is.
+    present = {}
+    for key, rule in OPTIONAL_FIELDS.items():
+        if key in obj:
+            present[key] = rule
     # The first field that fails its test is the one the message names.
-    for key, (what, ok) in fields.items():
+    for key, (what, ok) in {**fields, **present}.items():
         if key in obj and ok(obj[key]):
             continue
         found = "no such field"
@@ -609,9 +624,16 @@ def read_manifest(directory) -> dict:
         _check_fields(path, split, SPLIT_FIELDS, f"splits.{name}.")
         for i, shard in enumerate(split["shards"]):
             _check_fields(path, shard, SHARD_FIELDS, f"splits.{name}.shards[{i}].")
-        # max_token_id is checked against the files by check_vocab.
-        for key, found in split_totals(split["shards"]).items():
-            if split[key] != found:
+        totals = split_totals(split["shards"])
+        # A split that counts its bytes needs them of every shard, to check the sum.
+        if "bytes" in split and "bytes" not in totals:
+            raise DataError(f"{path}: split {name!r} has bytes {split['bytes']}, but not "
+                            "every shard of it counts its bytes; prepare.py writes both or "
+                            "neither: was this manifest edited by hand?")
+        # max_token_id is checked against the files by check_vocab. A split without bytes
+        # (an older manifest) is not checked for them.
+        for key, found in totals.items():
+            if split.get(key, found) != found:
                 raise DataError(f"{path}: split {name!r} has {key} {split[key]}, "
                                 f"shards {found}")
     return m
@@ -634,7 +656,9 @@ def _prepared(p, split, dtype):
         if problem:
             raise DataError(f"{problem}; run `python prepare.py verify {p}`")
     # One stream of the split's shards in the manifest's order, its max id trusted.
-    return TokenSource(p, files, m["dtype"], s["max_token_id"], m)
+    source = TokenSource(p, files, m["dtype"], s["max_token_id"], m)
+    source.text_bytes = s.get("bytes")
+    return source
 
 
 def _natural_key(f):

@@ -2,6 +2,7 @@
 
     python eval.py out --tasks hellaswag,arc_easy,piqa,lambada_openai --limit 200
     python eval.py exported/ --tasks my_task --include my_tasks/ --out results.json
+    python eval.py out --data data/demo     # bits per byte on a prepared val split
 
 SOURCE is a train.py run directory (its newest good step, or --step), our export, or an official
 Mamba-3 directory (config.json with model.safetensors or pytorch_model.bin, SISO or MIMO).
@@ -15,6 +16,17 @@ The harness asks a model three things, and Mamba3Harness answers each with the r
   forward over the whole text (a Transformer would have to restart its windows instead).
 - generate_until: greedy text after a context, from a prefill and then one O(1) step per token,
   until a stop string of the request, an end-of-text token or max_gen_toks tokens.
+
+--data DIR adds the model's bits per byte on the val split of a prepare.py output: every token
+of the split scored after all the tokens before it (the first after an EOS), in windows with
+the state carried, so one forward over the whole split; then
+
+    bits per byte = sum over tokens of -ln p(token) / ln 2 / the UTF-8 bytes of the text.
+
+An EOS is a token the model must predict, so it is in the sum, but it is no text, so it adds
+no bytes (nanochat leaves such tokens out of both). The figure compares across tokenizers,
+where a loss per token does not. With the byte tokenizer the bytes are the tokens less the
+EOS of each document, so bits per byte = loss / ln 2 * tokens / (tokens - documents).
 """
 import contextlib
 import json
@@ -28,6 +40,7 @@ from typing import Literal, Optional
 from urllib.parse import urlparse
 
 import lm_eval
+import numpy as np
 import torch
 import typer
 from lm_eval.api.model import LM
@@ -38,7 +51,7 @@ from rich.progress import Progress
 import ckpt
 import official
 from ckpt import CheckpointError
-from data import cli_errors, load_tokenizer, write_atomic
+from data import cli_errors, load_tokenizer, open_tokens, write_atomic
 from model import Mamba3LM, ModelConfig, pick_device
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -276,6 +289,95 @@ class Mamba3Harness(LM):
 
 
 # -----------------------------------------------------------------------------
+# bits per byte on a prepared split
+
+
+@dataclass
+class BitsPerByte:
+    """A split's summed -ln p (nats), its tokens and the bytes of its text."""
+    path: str
+    nats: float
+    tokens: int
+    text_bytes: int
+
+    @property
+    def bits_per_byte(self):
+        return self.nats / np.log(2) / self.text_bytes
+
+    @property
+    def loss(self):
+        """Nats per token, as train.py's val_loss measures them."""
+        return self.nats / self.tokens
+
+
+def open_val(directory):
+    """The val split of a prepare.py output, refused when its manifest counts no bytes."""
+    path = Path(directory)
+    if not (path / "manifest.json").is_file():
+        raise EvalError(f"--data {path}: expected a prepare.py output directory (with its "
+                        "manifest.json), found none; bits per byte need the bytes of the "
+                        "text, which only prepare.py records")
+    source = open_tokens(path, "val")
+    if source.text_bytes is None:
+        raise EvalError(f"--data {path}: its manifest.json counts no bytes of text (made by "
+                        "a prepare.py from before the count); run prepare.py on the same "
+                        "inputs again to write one that does")
+    return source
+
+
+def check_data_tokenizer(source, spec, vocab):
+    """Refuse a split whose tokens are not the model's tokenizer's ids."""
+    theirs = source.tokenizer or {}
+    mine = spec or {}
+    differ = theirs.get("name") != mine.get("name")
+    # Two tokenizer files are the same file when both record the same hash.
+    if theirs.get("sha256") and mine.get("sha256"):
+        differ = differ or theirs["sha256"] != mine["sha256"]
+    if differ:
+        raise EvalError(f"--data {source.path}: made with the tokenizer {theirs}, and the "
+                        f"model reads {mine}: bits per byte need data made with the model's "
+                        "tokenizer; prepare it with that one, or give the right --tokenizer")
+    source.check_vocab(vocab)
+
+
+@torch.no_grad()
+def split_nats(harness, source):
+    """The summed -ln p of every token of `source`, each after all the tokens before it
+    (the first after an EOS, as at every document start), in windows of harness.window
+    tokens with the state carried from each to the next: one forward over the split."""
+    model = harness.model
+    n = source.num_tokens
+    cache = model.init_cache(1)
+    nats = 0.0
+    # The token before the window's first: an EOS before the split's first token.
+    previous = harness.eos
+    bar, task = progress(n, "bits per byte")
+    try:
+        for start in range(0, n, harness.window):
+            # (W,) the tokens this window predicts, and (W,) the tokens it reads
+            read = source.read(start, min(harness.window, n - start))
+            targets = torch.from_numpy(read.astype(np.int64))
+            inputs = torch.cat([torch.tensor([previous]), targets[:-1]])
+            x = inputs[None].to(harness.where)
+            y = targets[None].to(harness.where)
+            with harness.precision():
+                logits = wide(model.logits(model.hidden(x, cache)))
+            logp = logits.log_softmax(-1).gather(-1, y[..., None])
+            nats -= logp.double().sum().item()
+            harness.clear_after_reset(x[:, -1], cache)
+            previous = int(targets[-1])
+            bar.advance(task, len(targets))
+    finally:
+        bar.stop()
+    return nats
+
+
+def bits_per_byte(harness, source) -> BitsPerByte:
+    nats = split_nats(harness, source)
+    return BitsPerByte(str(source.path), nats, source.num_tokens, source.text_bytes)
+
+
+# -----------------------------------------------------------------------------
 # the model and tokenizer of a SOURCE
 
 
@@ -411,9 +513,14 @@ def run_tasks(harness, names, manager, num_fewshot, limit):
 # command line
 
 
-def check_flags(limit, out, include, names):
-    """Refuse what needs no model to refuse, before any work."""
-    if not names:
+def check_flags(limit, out, include, names, data):
+    """Refuse what needs no model to refuse, before any work. names is None without
+    --tasks."""
+    if names is None and data is None:
+        raise EvalError("nothing to score: give lm-eval task names with --tasks (such as "
+                        "--tasks hellaswag,arc_easy), a prepared directory with --data DIR "
+                        "for bits per byte, or both")
+    if names is not None and not names:
         raise EvalError("--tasks names no task; give lm-eval task names such as "
                         "--tasks hellaswag,arc_easy")
     if limit is not None and limit < 1:
@@ -440,8 +547,8 @@ def pick_dtype(flag, device):
 def main(
     source: Path = typer.Argument(..., metavar="SOURCE", help="A train.py run directory, an "
                                   "export, or an official Mamba-3 directory."),
-    tasks: str = typer.Option(..., help="lm-eval task names, comma-separated "
-                              "(hellaswag,arc_easy,piqa,lambada_openai)."),
+    tasks: Optional[str] = typer.Option(None, help="lm-eval task names, comma-separated "
+                                        "(hellaswag,arc_easy,piqa,lambada_openai)."),
     num_fewshot: Optional[int] = typer.Option(None, min=0, help="Few-shot examples per "
                                               "prompt (default: each task's own)."),
     limit: Optional[int] = typer.Option(None, help="Score only the first N examples of each "
@@ -458,34 +565,63 @@ def main(
     tokenizer: Optional[str] = typer.Option(None, help="gpt2, byte or a tokenizer.json path "
                                             "(default: the source's own)."),
     out: Optional[Path] = typer.Option(None, help="Write the results as JSON to this file."),
+    data: Optional[Path] = typer.Option(None, help="A prepare.py output directory: print "
+                                        "the model's bits per byte on its val split."),
 ):
-    """Score a Mamba-3 model on lm-evaluation-harness tasks."""
+    """Score a Mamba-3 model on lm-evaluation-harness tasks, or its bits per byte on
+    prepared data (--data), or both."""
     started = time.time()
-    names = [n.strip() for n in tasks.split(",") if n.strip()]
+    names = None
+    if tasks is not None:
+        names = [n.strip() for n in tasks.split(",") if n.strip()]
+    results = None
+    bpb = None
     # ValueError: data.DataError, pick_device's, and EvalError.
     with cli_errors(CheckpointError, ValueError):
-        check_flags(limit, out, include, names)
+        check_flags(limit, out, include, names, data)
         device = pick_device(device)
+        val = None
+        if data is not None:
+            val = open_val(data)
         loaded = load_source(source, step, tokenizer)
+        if val is not None:
+            check_data_tokenizer(val, loaded.spec, loaded.model.config.vocab_size)
         dtype_name, autocast = pick_dtype(dtype, device)
-        offline_unless_hub_reachable()
-        manager = task_manager(names, include)
+        manager = None
+        if names:
+            offline_unless_hub_reachable()
+            manager = task_manager(names, include)
         model = loaded.model.to(device)
         # A MAMBA3_IMPL that cannot run here is refused in one sentence, before any scoring.
         official.check_impl(model)
         harness = Mamba3Harness(model, loaded.tokenizer, batch_size, autocast)
-        results = run_tasks(harness, names, manager, num_fewshot, limit)
-    print(make_table(results))
-    if results.get("groups"):
-        print(make_table(results, "groups"))
+        if names:
+            results = run_tasks(harness, names, manager, num_fewshot, limit)
+        if val is not None:
+            bpb = bits_per_byte(harness, val)
+    if results is not None:
+        print(make_table(results))
+        if results.get("groups"):
+            print(make_table(results, "groups"))
+    if bpb is not None:
+        print(f"bits per byte {bpb.bits_per_byte:.4f} on {bpb.path} val: loss "
+              f"{bpb.loss:.4f} nats per token over {bpb.tokens:,} tokens, "
+              f"{bpb.text_bytes:,} bytes of text")
     if out is None:
         return
-    report = {"results": results["results"], "source": str(source), "step": loaded.step,
-              "tokenizer": loaded.spec, "dtype": dtype_name, "device": device,
-              "lm_eval_version": lm_eval.__version__, "seconds": round(time.time() - started, 3),
-              "tasks": names, "num_fewshot": num_fewshot, "limit": limit}
-    if results.get("groups"):
+    report = {}
+    if results is not None:
+        report["results"] = results["results"]
+    report.update(source=str(source), step=loaded.step, tokenizer=loaded.spec,
+                  dtype=dtype_name, device=device, lm_eval_version=lm_eval.__version__,
+                  seconds=round(time.time() - started, 3), tasks=names,
+                  num_fewshot=num_fewshot, limit=limit)
+    if results is not None and results.get("groups"):
         report["groups"] = results["groups"]
+    if bpb is not None:
+        report["bits_per_byte"] = {"data": bpb.path, "split": "val",
+                                   "bits_per_byte": bpb.bits_per_byte, "loss": bpb.loss,
+                                   "tokens": bpb.tokens, "bytes": bpb.text_bytes}
     write_atomic(out, json.dumps(report, indent=2, default=str).encode())
     print(f"wrote {out}")
 

@@ -2,7 +2,8 @@
 
     python official.py export RUN_DIR OUT_DIR [--step N]
 
-writes a checkpoint for MambaLMHeadModel.from_pretrained and `lm_eval`. read_pretrained()
+writes a checkpoint for eval.py, and for MambaLMHeadModel.from_pretrained and `lm_eval` with
+a mamba_ssm new enough to hold Mamba3 (MAMBA_SSM_NEEDS says which). read_pretrained()
 brings such a directory, or a run directory, back for `train.py --init-from`. load_model()
 rebuilds the model of a run directory's checkpoint (sample.py, export, --init-from).
 
@@ -57,6 +58,20 @@ NOT_OFFICIAL = "cannot be exported to the official mamba_ssm format"
 
 # GatedMLP rounds its hidden size up to a multiple of this.
 MLP_MULTIPLE = 128
+
+# The official MIMO kernel asserts chunks of at least this many tokens. A chunk size changes
+# only how the scan is cut, never what it computes, so an export may round ours up to it.
+MIN_CHUNK_TOKENS = 8
+
+# What loads an export: the official Mamba3 layer as our model computes it is on
+# state-spaces/mamba's main branch, not in a pip release yet.
+MAMBA_SSM_NEEDS = (
+    "mamba_ssm built from source from state-spaces/mamba's main branch at or after PRs #962 "
+    "(the heavy-tailed activation of A) and #968 (Mamba3 layers in MixerModel), on a CUDA "
+    "GPU: `pip install --no-build-isolation git+https://github.com/state-spaces/mamba.git`. "
+    "The pip release mamba-ssm 2.3.2.post1 cannot load it: its MixerModel builds no Mamba3 "
+    "layer, and its Mamba3 computes A with a softplus instead of the heavy-tailed activation "
+    "this model was trained with")
 
 # The official model fixes every RMSNorm's epsilon at this.
 NORM_EPS = 1e-5
@@ -113,8 +128,9 @@ def official_config(cfg, where) -> dict:
     for k in SHARED:
         ssm_cfg[k] = getattr(cfg, k)
     ssm_cfg["is_mimo"] = cfg.mimo_rank > 1
-    # The official chunk_size counts tokens, ours rows (mimo_rank of them per token).
-    ssm_cfg["chunk_size"] = cfg.chunk_tokens
+    # The official chunk_size counts tokens, ours rows (mimo_rank of them per token). A
+    # chunk below the kernels' least is rounded up: the same function, cut otherwise.
+    ssm_cfg["chunk_size"] = max(cfg.chunk_tokens, MIN_CHUNK_TOKENS)
     ssm_cfg["is_outproj_norm"] = False
     if cfg.mimo_rank > 1:
         ssm_cfg["mimo_rank"] = cfg.mimo_rank
@@ -436,7 +452,12 @@ def read_pretrained(path):
     marker = {}
     if (p / MARKER).is_file():
         marker = json.loads((p / MARKER).read_text()) or {}
-    config["reset_token"] = marker.get("model_config", {}).get("reset_token")
+    ours = marker.get("model_config", {})
+    config["reset_token"] = ours.get("reset_token")
+    # Our export may have rounded the chunk up for the official kernels: the marker keeps
+    # the one the model trained with, so a round trip gives back the same config.
+    if "chunk_size" in ours:
+        config["chunk_size"] = ours["chunk_size"]
     try:
         cfg = ModelConfig(**config)
     # A shape our model cannot take: heads that do not divide, say.
@@ -496,6 +517,12 @@ def _tokenizer_files(spec, run_dir):
     return {"tokenizer.json": blob, "tokenizer_config.json": config_blob}
 
 
+def eval_command(out):
+    """The eval.py command that scores the export in `out`, on any machine."""
+    return (f"python eval.py {out} --tasks lambada_openai,hellaswag,piqa,arc_easy "
+            "--out results.json")
+
+
 def usage(out, marker):
     """(how to load it, the harness command, warnings) for the export in `out`."""
     name = (marker["tokenizer"] or {}).get("name")
@@ -551,9 +578,14 @@ def export(run_dir, out_dir, step=None) -> Path:
               "model_config": dataclasses.asdict(model.config), "tokenizer": exported_spec}
     load, command, notes = usage(out, marker)
     readme = ("# A Mamba-3 language model in the official mamba_ssm format\n\n"
-              f"Exported by mamba3-lite from `{run_dir}` step {step}. Load it:\n\n"
+              f"Exported by mamba3-lite from `{run_dir}` step {step}.\n\n"
+              "Evaluate it on a CPU or a GPU without mamba_ssm, from a mamba3-lite "
+              "checkout (`pip install -r requirements.txt`):\n\n"
+              f"    {eval_command(out)}\n\n"
+              f"Load it with the official code, which needs {MAMBA_SSM_NEEDS}:\n\n"
               f"    {load}\n\n"
-              "Evaluate it with lm-evaluation-harness (`pip install lm-eval mamba-ssm`):\n\n"
+              "With that mamba_ssm and `pip install lm-eval`, lm-evaluation-harness's "
+              "own mamba_ssm model evaluates it too (CUDA only):\n\n"
               f"    {command}\n\n")
     for note in notes:
         readme += f"Note: {note}.\n"
@@ -627,7 +659,9 @@ def export_main(
     names = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
           f"  load      {load}\n"
-          f"  evaluate  {command}")
+          f"  evaluate  {command}\n"
+          f"  or        {eval_command(out)}\n"
+          f"  (loading it and lm_eval --model mamba_ssm need {MAMBA_SSM_NEEDS})")
     for note in notes:
         typer.echo(f"warning: {note}", err=True)
 

@@ -275,10 +275,12 @@ def _json_text(line, text_field, where):
 
 def _encode_batch(tok, docs, dtype, text_field):
     """(tokens (N,), each document then EOS; lengths (D,), 0 for an empty one; the
-    count of undecodable byte sequences)."""
+    count of undecodable byte sequences; text_bytes (D,), the UTF-8 bytes of each
+    document's text as tokenized, its EOS counting none)."""
     eos = np.array([tok.eos_id], dtype=dtype)
     pieces = []
     lengths = []
+    text_bytes = []
     bad = 0
     for kind, raw, (_, f, lineno) in docs:
         # Count the U+FFFD that replace bytes, not those the text holds.
@@ -289,6 +291,9 @@ def _encode_batch(tok, docs, dtype, text_field):
             text, n = _json_text(text, text_field, f"{f}:{lineno}")
             bad += n
         ids = tok.encode_array(text).astype(dtype, copy=False)
+        # The bytes of the text the tokens encode, replacement characters included: the
+        # byte tokenizer makes exactly one token of each.
+        text_bytes.append(len(text.encode("utf-8")))
         # An empty document is counted, not written.
         if text:
             pieces += [ids, eos]
@@ -297,7 +302,9 @@ def _encode_batch(tok, docs, dtype, text_field):
             lengths.append(0)
     if not pieces:
         pieces = [np.empty(0, dtype)]
-    return np.concatenate(pieces), np.asarray(lengths, dtype=np.int64), bad
+    lengths = np.asarray(lengths, dtype=np.int64)
+    text_bytes = np.asarray(text_bytes, dtype=np.int64)
+    return np.concatenate(pieces), lengths, bad, text_bytes
 
 
 def _worker(conn, parents_end, tok):
@@ -364,7 +371,8 @@ def _receive(files_done, conn):
 
 
 def _encoded(files, tok, dtype, conns, text_field):
-    """Yield (files done, tokens, lengths, undecodable) per batch, in input order.
+    """Yield (files done, tokens, lengths, undecodable, text bytes) per batch, in input
+    order.
 
     Batch k goes to worker k % n, one at a time each, so memory stays bounded; with no
     conns, the batches are tokenized in this process."""
@@ -412,9 +420,9 @@ class ShardWriter:
         self.shards = []
         self.f = None
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray):
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: np.ndarray):
         """Append documents: `tokens` (N,) is their concatenation, `lengths` (D,) their
-        sizes, each > 0."""
+        sizes, each > 0, `text_bytes` (D,) the UTF-8 bytes of their text."""
         # (D,) where each document ends in `tokens`
         ends = np.cumsum(lengths)
         i = 0
@@ -437,13 +445,15 @@ class ShardWriter:
             self.hash.update(chunk.data)
             e["tokens"] += len(chunk)
             e["documents"] += j - i
+            e["bytes"] += int(text_bytes[i:j].sum())
             e["max_token_id"] = max(e["max_token_id"], int(chunk.max()))
             i = j
 
     def _open(self):
         name = f"{self.split}_{len(self.shards):05d}.bin"
         self.f = open(self.directory / name, "wb", buffering=1 << 23)
-        self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0}
+        self.entry = {"file": name, "tokens": 0, "documents": 0, "max_token_id": 0,
+                      "bytes": 0}
         # Hashed as it is written: the shard is never read a second time.
         self.hash = hashlib.sha256()
 
@@ -488,14 +498,15 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
     undecodable = 0
     tokens = 0
 
-    def add(toks, lengths, is_val):
+    def add(toks, lengths, is_val, text_bytes):
         # is_val (D,) says which documents are validation's, v (N,) which tokens are.
         v = np.repeat(is_val, lengths)
-        writers["val"].add(toks[v], lengths[is_val])
-        writers["train"].add(toks[~v], lengths[~is_val])
+        writers["val"].add(toks[v], lengths[is_val], text_bytes[is_val])
+        writers["train"].add(toks[~v], lengths[~is_val], text_bytes[~is_val])
 
     # An empty batch: none is held yet.
-    held = (np.empty(0, dtype), np.empty(0, np.int64), np.empty(0, bool))
+    held = (np.empty(0, dtype), np.empty(0, np.int64), np.empty(0, bool),
+            np.empty(0, np.int64))
     workers = contextlib.nullcontext()
     if o.workers > 1:
         workers = _workers(o.workers, tok)
@@ -506,9 +517,11 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
         with contextlib.closing(stream):
             task = bar.add_task("tokenizing", total=len(files))
             t0 = time.perf_counter()
-            for files_done, toks, lengths, bad in stream:
+            for files_done, toks, lengths, bad, text_bytes in stream:
                 undecodable += bad
                 empty += int((lengths == 0).sum())
+                # Empty documents are not written, so their (zero) bytes go with them.
+                text_bytes = text_bytes[lengths > 0]
                 lengths = lengths[lengths > 0]
                 # Decided per document, in input order: the same for any worker count.
                 is_val = _is_val(docs + np.arange(len(lengths), dtype=np.int64), f)
@@ -520,7 +533,7 @@ def _build(stage, files, tok, tok_file, o, show) -> dict:
                 # A batch waits for the next: its last document may be validation's.
                 if len(lengths):
                     add(*held)
-                    held = (toks, lengths, is_val)
+                    held = (toks, lengths, is_val, text_bytes)
     if docs == 0:
         raise DataError(f"no documents found: the {len(files)} input files hold only empty "
                         "documents")

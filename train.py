@@ -445,6 +445,19 @@ def evaluate(model, val, layout, num_batches, autocast):
     return (total[0] / total[1]).item()
 
 
+def bits_per_byte(loss, source):
+    """Bits per byte of a mean loss in nats per token on `source`, or None when its
+    manifest does not count the bytes of its text.
+
+    The eval scores only the first --eval-batches windows of the split, whose bytes no one
+    counted, so the split's own bytes per token stand in for theirs:
+    bpb = loss / ln 2 * tokens / bytes. An EOS is a token of no bytes; eval.py --data
+    computes the exact figure over every token of the split."""
+    if not source.text_bytes:
+        return None
+    return loss / math.log(2) * source.num_tokens / source.text_bytes
+
+
 def max_abs_weight(model):
     """What "the weights blew up" measures: over all ranks' shards, so that all agree to
     save."""
@@ -578,6 +591,7 @@ SHOW = dict(
     ms_per_step="{:.0f} ms/step",
     mfu="MFU {:.1%}",
     val_loss="val loss {:.4f}",
+    val_bpb="bpb {:.4f}",
     val_ppl="ppl {:.2f}",
 )
 
@@ -1113,7 +1127,12 @@ def train(cfg, init, tmp, cleanup):
         if run.val is not None and (last_step or step % cfg.eval_every == 0):
             val_loss = evaluate(model, run.val, batches.cfg, cfg.eval_batches, autocast)
             val_ppl = math.exp(min(val_loss, 50))
-            log.metrics("eval", step, val_loss=val_loss, val_ppl=val_ppl)
+            # Bits per byte only when the manifest counts bytes: older data logs as before.
+            extra = {}
+            val_bpb = bits_per_byte(val_loss, run.val)
+            if val_bpb is not None:
+                extra["val_bpb"] = val_bpb
+            log.metrics("eval", step, val_loss=val_loss, **extra, val_ppl=val_ppl)
 
         if last_step or stopping or step % cfg.save_every == 0:
             # Poison is never saved.

@@ -235,3 +235,22 @@ def test_the_gpu_check_refuses_a_batch_that_is_not_whole_micro_batches(monkeypat
     result = invoke("gpu", "--total-batch-size", 20000)
     assert (result.exit_code == 2
             and result.output.startswith("error: --total-batch-size 20000 must be a multiple"))
+
+
+def test_the_eval_table_runs_on_tiny_settings():
+    # The harness against the plain forward, and python eval.py on the offline stand-in task.
+    result = invoke("eval", "--model", "tiny", "--docs", 2, "--throughput-docs", 1, "--reps", 1)
+    assert result.exit_code == 0, result.output
+    assert "vs forward" in result.output and "harness" in result.output
+    assert "bench_hellaswag_shaped" in result.output and "acc_norm" in result.output
+    assert "stand-in for hellaswag" in result.output and "machine: " in result.output
+
+
+def test_the_stand_in_task_has_hellaswags_shape():
+    docs = bench.choice_docs(200)
+    assert len(docs) == 200
+    for doc in docs:
+        assert len(doc["choices"]) == 4 and doc["label"] in range(4)
+        lengths = [len(c.split()) for c in doc["choices"]]
+        assert max(lengths) <= 2 * min(lengths)
+        assert len(doc["query"].split()) > max(lengths)

@@ -4,6 +4,7 @@ the same; bad input is refused in one paragraph with exit 2 and nothing written.
 tasks are the YAML and JSONL files of tests/eval_tasks."""
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -303,4 +304,97 @@ def test_refusals(case, tmp_path, monkeypatch):
     assert "error:" in result.output and says in result.output
     # One paragraph: the message is one line, however long.
     assert len(result.output.strip().splitlines()) == 1, result.output
+    assert files_under(tmp_path) == before
+
+
+# -----------------------------------------------------------------------------
+# bits per byte (--data)
+
+
+def prepared(tmp, texts, name="data"):
+    """A prepare.py output of `texts` with the byte tokenizer, every other one held out."""
+    import prepare
+    src = tmp / f"{name}-src"
+    src.mkdir()
+    for i, text in enumerate(texts):
+        (src / f"{i:02d}.txt").write_text(text)
+    prepare.prepare(prepare.find_inputs([src]), tmp / name, "byte", val_fraction=0.5,
+                    workers=1, log=lambda *a: None)
+    return tmp / name
+
+
+def val_stream(directory):
+    from data import open_tokens
+    source = open_tokens(directory, "val")
+    return source.read(0, source.num_tokens).astype(int).tolist()
+
+
+@pytest.mark.parametrize("config", [CONFIG, MIMO], ids=["siso", "mimo"])
+def test_bits_per_byte_is_one_forward_over_the_split(config, tmp_path):
+    from data import ByteTokenizer
+    texts = ["é" + "x" * i + "🙂 the end\n" for i in (40, 3, 77, 10, 25, 60)]
+    directory = prepared(tmp_path, texts)
+    model = make_model(config)
+    harness = eval_py.Mamba3Harness(model, ByteTokenizer(), window=16)
+    bpb = eval_py.bits_per_byte(harness, eval_py.open_val(directory))
+    # The slow twin: one forward over [EOS] + the split, every token of it scored.
+    stream = val_stream(directory)
+    tokens = [256] + stream
+    logp = direct_logp(model, tokens)[:-1]
+    nats = -logp.gather(-1, torch.tensor(stream)[:, None]).sum().item()
+    documents = stream.count(256)
+    assert bpb.tokens == len(stream) and documents == 3
+    assert bpb.text_bytes == len(stream) - documents
+    assert bpb.nats == pytest.approx(nats, abs=1e-9)
+    # A byte tokenizer: bits per byte are the loss in bits, per byte rather than per token.
+    loss = nats / len(stream)
+    expected = loss / math.log(2) * len(stream) / (len(stream) - documents)
+    assert bpb.bits_per_byte == pytest.approx(expected, rel=1e-12)
+    assert bpb.loss == pytest.approx(loss, rel=1e-12)
+
+
+@pytest.mark.smoke
+def test_data_prints_bits_per_byte_of_a_run(tmp_path):
+    directory = prepared(tmp_path, ["short\n", "a longer document of text\n", "one more\n",
+                                    "and the last one\n"])
+    model = make_run(tmp_path / "run")
+    out = tmp_path / "r.json"
+    result = invoke(tmp_path / "run", "--data", directory, "--out", out, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())["bits_per_byte"]
+    stream = val_stream(directory)
+    with torch.no_grad():
+        logp = direct_logp(model.double(), [256] + stream)[:-1]
+    nats = -logp.gather(-1, torch.tensor(stream)[:, None]).sum().item()
+    expected = nats / math.log(2) / (len(stream) - stream.count(256))
+    assert report["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    assert report["tokens"] == len(stream) and report["split"] == "val"
+    assert f"bits per byte {report['bits_per_byte']:.4f}" in result.output
+    assert "results" not in json.loads(out.read_text())
+
+
+def test_data_refusals(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    make_run(tmp_path / "run")
+    old = prepared(tmp_path, ["some text\n", "more text\n"], name="old")
+    m = json.loads((old / "manifest.json").read_text())
+    for split in m["splits"].values():
+        del split["bytes"]
+        for shard in split["shards"]:
+            del shard["bytes"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    good = prepared(tmp_path, ["some text\n", "more text\n"], name="good")
+    # The same ids as a file tokenizer: still not the tokenizer the data was made with.
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(official.byte_tokenizer_json())
+    cases = [([], "nothing to score"),
+             (["--data", tmp_path / "run"], "expected a prepare.py output directory"),
+             (["--data", old], "counts no bytes"),
+             (["--data", good, "--tokenizer", tokenizer], "made with the tokenizer")]
+    before = files_under(tmp_path)
+    for args, says in cases:
+        result = invoke(tmp_path / "run", *args, "--out", tmp_path / "r.json")
+        assert result.exit_code == 2, result.output
+        assert "error:" in result.output and says in result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
     assert files_under(tmp_path) == before

@@ -125,6 +125,9 @@ def test_export_is_what_the_official_model_builds(tmp_path):
     note = (out / "README.md").read_text()
     assert f"lm_eval --model mamba_ssm --model_args pretrained={out},tokenizer={out}," in note
     assert "MambaLMHeadModel.from_pretrained" in note
+    # what loads it, and what cannot
+    for words in ("#962", "#968", "2.3.2.post1", "softplus", f"python eval.py {out} --tasks"):
+        assert words in note, words
 
 
 @pytest.mark.smoke

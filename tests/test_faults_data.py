@@ -116,11 +116,11 @@ def test_an_interrupt_in_process_unwinds_and_the_next_run_works(tmp_path, monkey
     src = tmp_path / "out-src"
     real, calls = prepare.ShardWriter.add, []
 
-    def interrupted(self, tokens, lengths):
+    def interrupted(self, tokens, lengths, text_bytes):
         calls.append(1)
         if len(calls) == 2:  # the first documents are written, the next are not
             raise KeyboardInterrupt
-        real(self, tokens, lengths)
+        real(self, tokens, lengths, text_bytes)
 
     monkeypatch.setattr(prepare.ShardWriter, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -455,7 +455,8 @@ def test_the_export_computes_in_the_official_semantics_what_it_computes_here(tmp
     config = json.loads((out / "config.json").read_text())
     ssm = config["ssm_cfg"]
     assert ssm["is_mimo"] is True and ssm["mimo_rank"] == cfg.mimo_rank
-    assert ssm["chunk_size"] == cfg.chunk_tokens  # the official one counts tokens
+    # the official one counts tokens, at least the MIMO kernel's 8
+    assert ssm["chunk_size"] == max(cfg.chunk_tokens, official.MIN_CHUNK_TOKENS)
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
     H, R, N, P = cfg.n_heads, cfg.mimo_rank, cfg.d_state, cfg.headdim
     mixer = "backbone.layers.0.mixer."
@@ -527,6 +528,32 @@ def test_an_official_mimo_directory(tmp_path):
     with pytest.raises(ckpt.CheckpointError,
                        match=rf"layers.1.mixer.mimo_o is \({H}, 2, {P}\), not \({H}, 1, {P}\)"):
         official.read_pretrained(theirs)
+
+
+def test_an_export_writes_a_chunk_the_official_kernels_take(tmp_path):
+    """Rank 16 at 64 rows a chunk is 4 tokens, and the official MIMO kernel asserts at least 8:
+    the export writes 8, which computes the same function; our own config comes back whole."""
+    cfg = dataclasses.replace(CONFIG, mimo_rank=16, chunk_size=64)
+    model = make_run(tmp_path / "run", cfg).double().eval()
+    out = official.export(tmp_path / "run", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert cfg.chunk_tokens == 4 and config["ssm_cfg"]["chunk_size"] == 8
+    assert official.read_pretrained(out)[0]["chunk_size"] == 64
+    # config.json alone, as anyone's checkpoint: chunks of 8 tokens, 128 rows
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name in ("config.json", "pytorch_model.bin"):
+        (theirs / name).write_bytes((out / name).read_bytes())
+    fields, weights, _ = official.read_pretrained(theirs)
+    assert fields["chunk_size"] == 128
+    loaded = Mamba3LM(ModelConfig(**fields)).double().eval()
+    loaded.load_state_dict(weights)
+    # 21 tokens: several chunks of either size, and a partial last one
+    idx = torch.randint(0, 257, (2, 21))
+    with torch.no_grad():
+        assert (loaded(idx)[0] - model(idx)[0]).abs().max() <= 1e-10
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert (official_mimo_logits(config, state, idx) - model(idx)[0]).abs().max() <= 1e-10
 
 
 def test_init_from_refuses_another_rank(tmp_path):

@@ -654,3 +654,68 @@ def test_a_failed_write_names_the_path_and_changes_nothing(tmp_path, monkeypatch
         run([tmp_path / "corpus"], out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert names(tmp_path) == [".out.lock", "corpus", "out"]
+
+
+# -----------------------------------------------------------------------------
+# the UTF-8 bytes of the text, for bits per byte
+
+
+def test_the_manifest_counts_the_bytes_of_the_text(tmp_path):
+    docs = make_corpus(tmp_path / "corpus")
+    manifest = run([tmp_path / "corpus"], tmp_path / "out", "byte", shard_tokens=200,
+                   val_fraction=0.1)
+    val = val_docs(len(docs), 0.1)
+    for name, split in manifest["splits"].items():
+        texts = [d for n, d in enumerate(docs) if (n in val) == (name == "val")]
+        # The bytes of the text as tokenized (U+FFFD for an undecodable byte), no EOS.
+        assert split["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
+        # The byte tokenizer makes a token of each byte and one EOS a document.
+        for shard in split["shards"]:
+            assert shard["bytes"] == shard["tokens"] - shard["documents"]
+        assert split["bytes"] == sum(shard["bytes"] for shard in split["shards"])
+    assert open_tokens(tmp_path / "out", "val").text_bytes == manifest["splits"]["val"]["bytes"]
+    # The count is of the text, whatever the tokenizer.
+    tokenizer = tmp_path / "tokenizer.json"
+    import official
+    tokenizer.write_text(official.byte_tokenizer_json())
+    other = run([tmp_path / "corpus"], tmp_path / "out2", str(tokenizer), shard_tokens=200,
+                val_fraction=0.1)
+    for name in ("train", "val"):
+        assert other["splits"][name]["bytes"] == manifest["splits"][name]["bytes"]
+
+
+@pytest.mark.smoke
+def test_a_manifest_without_byte_counts_still_loads(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("an older manifest " * 20)
+    (tmp_path / "corpus" / "b.txt").write_text("has no byte counts " * 20)
+    run([tmp_path / "corpus"], tmp_path / "out", "byte", val_fraction=0.5)
+    path = tmp_path / "out" / "manifest.json"
+    m = json.loads(path.read_text())
+    for split in m["splits"].values():
+        del split["bytes"]
+        for shard in split["shards"]:
+            del shard["bytes"]
+    path.write_text(json.dumps(m))
+    assert read_manifest(tmp_path / "out") == m
+    assert open_tokens(tmp_path / "out", "val").text_bytes is None
+    assert verify(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(bytes=s["bytes"] + 1), r"split 'val' has bytes \d+, shards \d+"),
+    (lambda s: s.update(bytes=-1), r"expected splits.val.bytes to be a whole number"),
+    (lambda s: s["shards"][0].pop("bytes"), "not every shard of it counts its bytes"),
+    (lambda s: s["shards"][0].update(bytes="9"), r"splits.val.shards\[0\].bytes"),
+])
+def test_a_bad_byte_count_is_refused(tmp_path, edit, message):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text " * 20)
+    (tmp_path / "corpus" / "b.txt").write_text("more text " * 20)
+    run([tmp_path / "corpus"], tmp_path / "out", "byte", val_fraction=0.5)
+    path = tmp_path / "out" / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m["splits"]["val"])
+    path.write_text(json.dumps(m))
+    with pytest.raises(DataError, match=message):
+        read_manifest(tmp_path / "out")

@@ -458,3 +458,29 @@ def test_init_from_a_run_or_an_export_starts_from_those_weights_and_nothing_else
     text = run("--data", corpus, *BASE, "--out-dir", tmp_path / "x", "--init-from",
                tmp_path / "nowhere", expect=2)
     assert "expected a train.py run directory" in text
+
+
+def test_eval_records_bits_per_byte_only_when_the_manifest_counts_bytes(corpus, tmp_path):
+    import shutil
+    val = json.loads((corpus / "manifest.json").read_text())["splits"]["val"]
+    out = tmp_path / "run"
+    text = run("--data", corpus, *BASE, "--max-steps", 2, "--out-dir", out)
+    (record,) = records(out, "eval")
+    # The split's bytes per token stand in for those of the windows evaluated.
+    expected = record["val_loss"] / math.log(2) * val["tokens"] / val["bytes"]
+    assert record["val_bpb"] == pytest.approx(expected, rel=1e-12)
+    assert list(record).index("val_bpb") == list(record).index("val_loss") + 1
+    assert f"bpb {record['val_bpb']:.4f}" in text
+    # A manifest from before the byte counts: the eval is as it was.
+    old = tmp_path / "old"
+    shutil.copytree(corpus, old)
+    m = json.loads((old / "manifest.json").read_text())
+    for split in m["splits"].values():
+        del split["bytes"]
+        for shard in split["shards"]:
+            del shard["bytes"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    text = run("--data", old, *BASE, "--max-steps", 2, "--out-dir", tmp_path / "run2")
+    (again,) = records(tmp_path / "run2", "eval")
+    assert "val_bpb" not in again and "bpb" not in text
+    assert again["val_loss"] == record["val_loss"]
