@@ -204,13 +204,14 @@ def _state(module, optimizer):
     else:
         tensors = module.state_dict()
         states = [o.state_dict() for o in optimizers]
-    # One optimizer keeps the file format it has always had: its state dict, not a list.
+    # One optimizer, alone or in a list, keeps the file format it has always had: its state
+    # dict, not a list.
     if optimizer is None:
         optimizer_state = None
-    elif isinstance(optimizer, (list, tuple)):
-        optimizer_state = states
-    else:
+    elif len(states) == 1:
         optimizer_state = states[0]
+    else:
+        optimizer_state = states
     optim_file = {"optimizer": optimizer_state, "rng": _rng_state()}
     return _untied(tensors), optim_file
 

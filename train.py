@@ -50,16 +50,21 @@ from model import activation_bytes, bf16_native, peak_flops, pick_device
 # size, context 2048, ~0.5M-token batches, and max_steps None, which means Chinchilla's
 # 20 tokens per parameter. The CPU presets use short contexts and small batches, so that a
 # laptop sees the loss fall in a minute.
-RECIPE_COLUMNS = ("lr", "seq_len", "batch_size", "total_batch_size", "max_steps",
+#
+# muon_lr is Muon's peak LR for the blocks' weight matrices (--optimizer muon). Muon's update
+# is scaled to the RMS of an AdamW update (0.2 * sqrt(max(rows, cols))), so its LR lives on
+# AdamW's scale. The CPU presets' values were tuned on this repo's CPU benchmarks; the GPU
+# presets take AdamW's LR, which that scaling is designed to allow, until measured there.
+RECIPE_COLUMNS = ("lr", "muon_lr", "seq_len", "batch_size", "total_batch_size", "max_steps",
                   "eval_every", "save_every")
 RECIPE_ROWS = [
-    #           lr       seq_len  batch  tokens/step  max_steps  eval_every  save_every
-    ("tiny",   (3e-3,    128,     8,     1024,        200,       50,         100)),
-    ("small",  (3e-3,    256,     8,     2048,        300,       50,         100)),
-    ("180m",   (3e-3,    2048,    16,    524288,      None,      250,        1000)),
-    ("440m",   (1.5e-3,  2048,    8,     524288,      None,      250,        1000)),
-    ("880m",   (1.25e-3, 2048,    4,     524288,      None,      250,        1000)),
-    ("1.5b",   (1e-3,    2048,    2,     524288,      None,      250,        1000)),
+    #           lr       muon_lr  seq_len  batch  tokens/step  max_steps  eval  save
+    ("tiny",   (3e-3,    3e-3,    128,     8,     1024,        200,       50,   100)),
+    ("small",  (3e-3,    3e-3,    256,     8,     2048,        300,       50,   100)),
+    ("180m",   (3e-3,    3e-3,    2048,    16,    524288,      None,      250,  1000)),
+    ("440m",   (1.5e-3,  1.5e-3,  2048,    8,     524288,      None,      250,  1000)),
+    ("880m",   (1.25e-3, 1.25e-3, 2048,    4,     524288,      None,      250,  1000)),
+    ("1.5b",   (1e-3,    1e-3,    2048,    2,     524288,      None,      250,  1000)),
 ]
 RECIPES = {name: dict(zip(RECIPE_COLUMNS, values)) for name, values in RECIPE_ROWS}
 
@@ -71,18 +76,78 @@ MAX_ROLLBACKS = 3
 # -----------------------------------------------------------------------------
 # The optimizer and its schedule.
 
-# The optimizer's name, for the log and the memory check, and the bytes of training
-# state it keeps per parameter: the float32 weight, its gradient and AdamW's two moments.
-OPTIMIZER = "AdamW"
-PARAM_BYTES = 16
+# The bytes of training state per parameter, by the optimizer that updates it: the float32
+# weight and its gradient, then AdamW's two moments or Muon's one momentum buffer.
+PARAM_BYTES = {"adamw": 16, "muon": 12}
+# The optimizers' names, for the log.
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
 
 
-def build_optimizer(model, cfg):
-    """AdamW over the model's parameters by role: weight decay on the weight matrices of
-    the Linear and Embedding layers, none on the per-channel scales and biases."""
-    groups = model.param_groups(cfg.weight_decay)
+def muon_matrices(model):
+    """The parameters Muon updates: the weight matrices of the Linear layers inside the
+    blocks (in_proj, out_proj, the MLP's). Not the embedding and its tied LM head, whose
+    rows are looked up one token at a time, and no vector (norms, biases, dt_bias, D, the
+    MIMO vectors, B_bias: some of these are 3-D, so the role decides, not ndim)."""
+    matrices = []
+    for block in model.blocks:
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear):
+                matrices.append(module.weight)
+    return matrices
+
+
+def build_optimizers(model, cfg):
+    """The run's optimizers, as a list: [AdamW], or [Muon, AdamW] with --optimizer muon.
+
+    AdamW takes the model's parameters by role (model.param_groups): weight decay on the
+    weight matrices of the Linear and Embedding layers, none on the per-channel scales
+    and biases. With Muon, the blocks' weight matrices move to Muon (orthogonalized
+    momentum, 5 Newton-Schulz steps), and AdamW keeps the embedding and every vector.
+    Each param group gets an "lr_scale": its peak LR over --lr, which the schedule
+    multiplies (Muon's groups: --muon-lr / --lr)."""
     fused = cfg.device == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    groups = model.param_groups(cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=fused)
+        return [adamw]
+
+    matrices = muon_matrices(model)
+    in_muon = set(id(p) for p in matrices)
+    # AdamW's groups less what Muon takes: the embedding (decayed) and the vectors.
+    for group in groups:
+        group["params"] = [p for p in group["params"] if id(p) not in in_muon]
+    muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                            momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return [muon, adamw]
+
+
+def lr_scales(optimizers, cfg):
+    """Each param group's peak LR over --lr, in the order of the optimizers' groups.
+
+    Kept beside the optimizers, not in their groups: a group's keys go into its state
+    dict, and checkpoints from before Muon have none."""
+    scales = []
+    for optimizer in optimizers:
+        scale = 1.0
+        if isinstance(optimizer, torch.optim.Muon):
+            scale = cfg.muon_lr / cfg.lr
+        for _ in optimizer.param_groups:
+            scales.append(scale)
+    return scales
+
+
+def training_state_bytes(config, optimizer):
+    """The bytes of weights, gradients and optimizer state of a model of `config`,
+    counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = Mamba3LM(config)
+    params = model.num_params()
+    if optimizer == "adamw":
+        return PARAM_BYTES["adamw"] * params
+    in_muon = sum(p.numel() for p in muon_matrices(model))
+    return PARAM_BYTES["muon"] * in_muon + PARAM_BYTES["adamw"] * (params - in_muon)
 
 
 # WSD holds the peak LR, then decays linearly over this last share of the steps. The stable
@@ -151,8 +216,13 @@ class TrainConfig:
         "Tokens per optimizer step over all devices; sets the accumulation.")] = None
     max_steps: Annotated[Int, preset(
         "max_steps", "Optimizer steps.")] = None
+    optimizer: Annotated[Literal["adamw", "muon"], Option(
+        help="adamw, or muon: Muon for the blocks' weight matrices, AdamW (at --lr) for "
+             "the embedding and the vectors.")] = "adamw"
     lr: Annotated[Optional[float], preset(
-        "lr", "Peak learning rate (> 0).", None)] = None
+        "lr", "Peak learning rate (> 0); AdamW's.", None)] = None
+    muon_lr: Annotated[Optional[float], preset(
+        "muon_lr", "Muon's peak learning rate (> 0), with --optimizer muon.", None)] = None
     min_lr: Annotated[float, Option(
         min=0, help="Final learning rate (at most --lr).")] = 1e-5
     warmup_steps: Annotated[Int, Option(
@@ -161,7 +231,7 @@ class TrainConfig:
         help="After warmup: cosine decay, or wsd: stable, then linear decay over the last "
              f"{WSD_DECAY:.0%}.")] = "cosine"
     weight_decay: Annotated[float, Option(
-        min=0, help=f"{OPTIMIZER} weight decay (matrices only).")] = 0.1
+        min=0, help="Weight decay (matrices only).")] = 0.1
     grad_clip: Annotated[float, Option(
         min=0, help="Clip the gradient norm; 0: never.")] = 1.0
 
@@ -285,6 +355,12 @@ def resolve(cfg, init=None):
         raise TrainError(f"{', '.join(bad)}: expected a finite number")
     if not recipe["lr"] > 0:
         raise TrainError(f"--lr must be positive, found {recipe['lr']}")
+    if not recipe["muon_lr"] > 0:
+        raise TrainError(f"--muon-lr must be positive, found {recipe['muon_lr']}")
+    if cfg.optimizer == "muon" and cfg.fsdp:
+        raise TrainError("--optimizer muon cannot run with --fsdp: Muon orthogonalizes each "
+                         "weight matrix whole, and FSDP2 shards the matrices across the "
+                         "ranks. Leave out --fsdp (DDP), or use --optimizer adamw")
     if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
         raise TrainError(f"--init-from and --out-dir are both {cfg.out_dir}: to continue "
                          "that run leave out --init-from; to start from its weights use "
@@ -352,9 +428,10 @@ def check_memory(cfg, config):
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     world = int(os.environ.get("WORLD_SIZE", 1))
     sequences = cfg.total_batch_size // L
+    optimizer = OPTIMIZER_NAMES[cfg.optimizer]
     # FSDP gives each rank 1/world of the training state.
     shards = world if cfg.fsdp else 1
-    fixed = ranks * PARAM_BYTES * params // shards
+    fixed = ranks * training_state_bytes(config, cfg.optimizer) // shards
     act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing)
     if free is None or fixed + act <= free:
         return
@@ -383,7 +460,7 @@ def check_memory(cfg, config):
     ways.append("a smaller --model")
     what = (f"a step needs about {(fixed + act) / 1e9:.1f} GB and the {cfg.device} has "
             f"{free / 1e9:.1f} GB free: {fixed / 1e9:.1f} GB for {params / 1e6:.1f}M "
-            f"parameters with their gradients and {OPTIMIZER} state, {act / 1e9:.1f} GB "
+            f"parameters with their gradients and {optimizer} state, {act / 1e9:.1f} GB "
             f"for the activations of {b} sequences of {L} tokens")
     if ranks > 1:
         what += f" (times {ranks} ranks on this machine)"
@@ -524,8 +601,8 @@ class NanGuard:
         self.rollbacks = 0
         return None
 
-    def roll_back(self, model, optimizer, step, log):
-        restored = ckpt.load_latest(self.out, model, optimizer)[0]
+    def roll_back(self, model, optimizers, step, log):
+        restored = ckpt.load_latest(self.out, model, optimizers)[0]
         if restored is None:
             raise TrainError(f"{self.streak} bad steps in a row at step {step} and no "
                              f"checkpoint in {self.out}; lower --lr, check the data or raise "
@@ -719,10 +796,14 @@ def header(log, cfg, model, batches, val):
     keep = cfg.keep_last or "all"
     out += f", resume {cfg.resume}, save every {cfg.save_every} (keep {keep})"
 
-    optimizer = (f"{OPTIMIZER} for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} "
-                 f"({cfg.schedule}, {cfg.warmup_steps} warmup), weight decay "
-                 f"{cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
-                 f"{cfg.nan_guard}, seed {cfg.seed}")
+    optimizer = f"AdamW for {cfg.max_steps} steps, lr {cfg.lr:g} -> {cfg.min_lr:g} "
+    if cfg.optimizer == "muon":
+        # Muon's LR follows the same schedule, in proportion.
+        optimizer = (f"Muon (the blocks' matrices, lr {cfg.muon_lr:g}) and AdamW (lr "
+                     f"{cfg.lr:g} -> {cfg.min_lr:g}) for {cfg.max_steps} steps ")
+    optimizer += (f"({cfg.schedule}, {cfg.warmup_steps} warmup), weight decay "
+                  f"{cfg.weight_decay:g}, grad clip {cfg.grad_clip:g}, nan guard "
+                  f"{cfg.nan_guard}, seed {cfg.seed}")
 
     lines = [
         f"model      {cfg.model}: {model.num_params():,} parameters ({shape})",
@@ -811,7 +892,24 @@ def data_identity(batches):
             for s, w in zip(batches.sources, batches.weights)]
 
 
-def resume(cfg, model, optimizer, batches, log, cleanup):
+def refuse_another_optimizer(cfg, out):
+    """Refuse to continue a run with another --optimizer than the one it was trained with:
+    its checkpoints hold that optimizer's state, which the other cannot take."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        # No config to tell: the checkpoint's own check then refuses a mismatch.
+        return
+    # Runs from before --optimizer existed were trained with AdamW.
+    trained_with = config.get("optimizer", "adamw")
+    if trained_with != cfg.optimizer:
+        raise TrainError(f"{out} was trained with --optimizer {trained_with}, whose state "
+                         f"its checkpoints hold: resume it with --optimizer {trained_with}, "
+                         f"or start anew with --optimizer {cfg.optimizer} (--resume never "
+                         "or another --out-dir)")
+
+
+def resume(cfg, model, optimizers, batches, log, cleanup):
     """Lock the directory (rank 0), load what --resume asks for (weights, optimizer, data
     position, RNGs: bit for bit) -> its meta, or None. Once all that cannot continue is
     refused, newer steps (a branch left, unverifiable steps; --overwrite: the old run) and
@@ -834,16 +932,18 @@ def resume(cfg, model, optimizer, batches, log, cleanup):
         # What a run killed while moving steps aside left is done first.
         finish_moves(out)
     files = ckpt.step_files(out)
+    if files and cfg.resume != "never":
+        refuse_another_optimizer(cfg, out)
     if files and cfg.resume == "never" and not cfg.overwrite:
         raise TrainError(f"{out} already holds checkpoints (steps {sorted(files)}): use "
                          "--resume auto, another --out-dir, or --overwrite to move them to "
                          "previous-TIME/")
     try:
         if cfg.resume == "auto":
-            step, meta = ckpt.load_latest(out, model, optimizer, restore_rng=True)
+            step, meta = ckpt.load_latest(out, model, optimizers, restore_rng=True)
         elif cfg.resume != "never":
             step = int(cfg.resume)
-            meta = ckpt.load(out, step, model, optimizer, restore_rng=True)
+            meta = ckpt.load(out, step, model, optimizers, restore_rng=True)
     except ckpt.ModelMismatch as e:
         raise TrainError(f"{e.what}: resume with its --model, --vocab-size and "
                          f"--reset-at-eos ({out}/config.json), or start anew: --resume never "
@@ -908,7 +1008,7 @@ def resume(cfg, model, optimizer, batches, log, cleanup):
     return meta
 
 
-def save_checkpoint(cfg, step, model, optimizer, log, state):
+def save_checkpoint(cfg, step, model, optimizers, log, state):
     """Save step `step` with `state` in its meta. (The tests inject faults here.)"""
     t0 = time.time()
     tag = "final" if step == cfg.max_steps else "periodic"
@@ -919,7 +1019,7 @@ def save_checkpoint(cfg, step, model, optimizer, log, state):
     meta = dict(state, tokens_seen=tokens, config=config, optimizer_steps=updates, tag=tag)
     # --keep-last 0 keeps them all.
     keep_last = cfg.keep_last or None
-    ckpt.save(cfg.out_dir, step, model, optimizer, meta, keep_last=keep_last)
+    ckpt.save(cfg.out_dir, step, model, optimizers, meta, keep_last=keep_last)
     seconds = time.time() - t0
     log(f"step {step}: saved checkpoint to {cfg.out_dir} ({seconds:.1f}s)",
         kind="event", event="checkpoint", step=step)
@@ -939,7 +1039,9 @@ class Run:
     val: Optional[data.TokenSource]
     # The model that is saved and restored; the loop may wrap it for speed and for DDP.
     model: Mamba3LM
-    optimizer: torch.optim.Optimizer
+    # [AdamW], or [Muon, AdamW]; and each of their param groups' peak LR over --lr.
+    optimizers: list
+    lr_scales: list
 
 
 def shard(model, cfg):
@@ -1028,9 +1130,10 @@ def setup(cfg, init, tmp, cleanup):
     # Sharded before the optimizer is built, which must hold the shards.
     if cfg.fsdp:
         shard(model, cfg)
-    optimizer = build_optimizer(model, cfg)
+    optimizers = build_optimizers(model, cfg)
+    scales = lr_scales(optimizers, cfg)
     return Run(rank=rank, world=world, local_rank=local_rank, batches=batches, val=val,
-               model=model, optimizer=optimizer)
+               model=model, optimizers=optimizers, lr_scales=scales)
 
 
 def train(cfg, init, tmp, cleanup):
@@ -1038,9 +1141,9 @@ def train(cfg, init, tmp, cleanup):
     ends."""
     run = setup(cfg, init, tmp, cleanup)
     batches = run.batches
-    optimizer = run.optimizer
+    optimizers = run.optimizers
     log = Log(cfg, run.rank)
-    meta = resume(cfg, run.model, optimizer, batches, log, cleanup)
+    meta = resume(cfg, run.model, optimizers, batches, log, cleanup)
     if meta is None:
         meta = dict(step=0, skipped_steps=0)
     step = meta["step"]
@@ -1090,21 +1193,26 @@ def train(cfg, init, tmp, cleanup):
             t0 = time.time()
             # The LR is a pure function of the step, so a resumed run needs no scheduler
             # state.
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, cfg)
+            lr = lr_at(step, cfg)
+            groups = []
+            for optimizer in optimizers:
+                groups.extend(optimizer.param_groups)
+            for group, scale in zip(groups, run.lr_scales):
+                group["lr"] = lr * scale
             loss, stopping = train_step(model, batches, autocast, run.world, stop)
             # With --grad-clip 0 the norm is measured, not clipped.
             clip = cfg.grad_clip or math.inf
             norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip).item()
             good = guard.finite(loss, norm, step, log)
-            if good:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                if good:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             window.add(time.time() - t0, loss, norm, good)
             step += 1
         # Back to the newest checkpoint; the data cursor keeps moving.
         if guard.due():
-            guard.roll_back(run.model, optimizer, step, log)
+            guard.roll_back(run.model, optimizers, step, log)
         # The final log, eval and save happen in the loop.
         last_step = step == cfg.max_steps
         progress.update(bar, completed=step)
@@ -1147,7 +1255,7 @@ def train(cfg, init, tmp, cleanup):
                              wandb_run_id=run_id, data_identity=data_identity(batches),
                              tokenizer=batches.sources[0].tokenizer,
                              wall_time=time.time() - t_start)
-                save_checkpoint(cfg, step, run.model, optimizer, log, state)
+                save_checkpoint(cfg, step, run.model, optimizers, log, state)
 
     if guard.streak:
         raise TrainError(f"the run ended at step {step} in a streak of bad steps, not "

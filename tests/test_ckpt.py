@@ -184,8 +184,10 @@ def test_a_list_of_optimizers_round_trips_each_state(tmp_path):
     with pytest.raises(CheckpointError, match="holds the state of 2 optimizers, the run has 1"):
         ckpt.load(tmp_path, 2, c, opt_c)
     assert all(torch.equal(v, before[k]) for k, v in c.state_dict().items())
-    # One optimizer and a list of one are the same checkpoint.
+    # One optimizer and a list of one are the same checkpoint, in the format of one.
     ckpt.save(tmp_path, 3, c, [opt_c], {})
+    saved = torch.load(tmp_path / "optim_step_3.pt", weights_only=True)["optimizer"]
+    assert isinstance(saved, dict) and saved.keys() == opt_c.state_dict().keys()
     d, opt_d = make(3)
     ckpt.load(tmp_path, 3, d, opt_d)
     assert same_state(c, d) and same_optimizer(opt_c, opt_d)

@@ -833,7 +833,7 @@ def compile_(
 def state_bytes(lm, world: int, fsdp: bool) -> int:
     """Weights, gradients and AdamW's 2 moments per rank, train.PARAM_BYTES a float32 weight;
     FSDP2 splits each tensor's rows into `world` equal chunks, the last one padded."""
-    return train.PARAM_BYTES * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
+    return train.PARAM_BYTES["adamw"] * sum(-(-p.shape[0] // world) * p[0].numel() if fsdp else p.numel()
                     for p in lm.parameters())
 
 
