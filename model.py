@@ -704,15 +704,29 @@ class Mamba3LM(nn.Module):
 ACT_BYTES = 256
 RECOMPUTED_BYTES = 32
 LOGIT_BYTES = 12
+# An attention layer counts as a Mamba layer (its projections and their inputs are
+# smaller), plus the float32 scores and softmax weights that PyTorch's plain attention
+# keeps for backward: this many bytes per token, head and key. (The Flash and
+# memory-efficient kernels of a GPU keep none.)
+SCORE_BYTES = 8
 
 
-def activation_bytes(config, tokens, recompute=False):
+def activation_bytes(config, tokens, recompute=False, seq_len=None):
     """About how many bytes the activations of a training micro-batch of `tokens` tokens
-    take (recompute: under gradient checkpointing, which keeps one block's whole)."""
+    take (recompute: under gradient checkpointing, which keeps one block's whole), in
+    windows of seq_len tokens (for the attention scores; None counts none)."""
     n = config.n_layer
     # Bytes per d_model and token, over all layers.
     if recompute:
         layers = ACT_BYTES + RECOMPUTED_BYTES * n
     else:
         layers = ACT_BYTES * n
-    return tokens * (LOGIT_BYTES * config.padded_vocab + config.d_model * layers)
+    total = tokens * (LOGIT_BYTES * config.padded_vocab + config.d_model * layers)
+    n_attn = len(config.attn_layers)
+    if seq_len and n_attn:
+        # Recomputed, one attention layer's scores live at a time.
+        if recompute:
+            n_attn = 1
+        heads = config.attn_shape.heads
+        total += tokens * n_attn * heads * seq_len * SCORE_BYTES
+    return total

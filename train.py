@@ -355,7 +355,7 @@ def check_memory(cfg, config):
     # FSDP gives each rank 1/world of the training state.
     shards = world if cfg.fsdp else 1
     fixed = ranks * PARAM_BYTES * params // shards
-    act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing)
+    act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing, L)
     if free is None or fixed + act <= free:
         return
 
@@ -366,7 +366,8 @@ def check_memory(cfg, config):
         for n in range(1, b + 1):
             if sequences % (n * world) != 0:
                 continue
-            if fixed + ranks * activation_bytes(config, n * L, recompute) <= free:
+            act_n = activation_bytes(config, n * L, recompute, L)
+            if fixed + ranks * act_n <= free:
                 best = n
         return best
 

@@ -134,3 +134,151 @@ def test_attention_shape_defaults():
     config = ModelConfig(**dataclasses.asdict(dataclasses.replace(PRESETS["small"],
                                                                   attn_layers=[3])))
     assert config.attn_layers == (3,)  # a JSON list comes back a tuple
+
+
+# --- document resets and decoding ---
+
+
+def packed_ids(B=2, L=40, seed=0):
+    """Ids in [4, 100) with EOS at 15, 30 and 31 in row 0 (an empty document between two
+    EOS) and at 38 in row 1."""
+    idx = torch.randint(4, 100, (B, L), generator=torch.Generator().manual_seed(seed))
+    idx[0, [15, 30, 31]] = EOS
+    idx[1, 38] = EOS
+    return idx
+
+
+def spans(row):
+    """(start, end) of each document of a row of ids."""
+    ends = (row == EOS).nonzero().flatten().tolist()
+    starts = [0] + [e + 1 for e in ends]
+    stops = [e + 1 for e in ends] + [len(row)]
+    return [(a, b) for a, b in zip(starts, stops) if a < b]
+
+
+def test_attention_with_resets_is_plain_attention_per_document():
+    model = hybrid(attn_kv_heads=2, attn_rotary_dim=8, reset_token=EOS).double()
+    mixer = model.blocks[1].mixer
+    idx = torch.randint(4, 100, (2, 21))
+    idx[0, [4, 9, 10]] = EOS
+    idx[1, 19] = EOS
+    u = torch.randn(2, 21, 64, dtype=torch.float64)
+    reset = model.resets(idx)
+    out = mixer(u, reset=reset)
+    for row in range(2):
+        documents = reset[row].long().cumsum(0).tolist()
+        positions = [t - documents.index(documents[t]) for t in range(21)]
+        expected = plain_attention(mixer, u[row:row + 1], positions, documents)
+        assert (out[row] - expected[0]).abs().max() <= 1e-10
+
+
+@pytest.mark.smoke
+def test_packed_documents_equal_documents_run_alone():
+    model = hybrid(attn_layers=(0,), attn_kv_heads=2, reset_token=EOS).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    for b in range(2):
+        for start, end in spans(idx[b]):
+            alone, _ = model(idx[b:b + 1, start:end])
+            assert (alone[0] - logits[b, start:end]).abs().max() <= 1e-10, (b, start, end)
+    # without reset_token the documents do see each other
+    plain = Mamba3LM(dataclasses.replace(model.config, reset_token=None)).double().eval()
+    plain.load_state_dict(model.state_dict())
+    assert (plain(idx)[0][0, 16:] - logits[0, 16:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("reset_token", [None, EOS])
+@pytest.mark.parametrize("split", [1, 16, 31, 33])
+def test_prefill_then_step_equals_the_forward(reset_token, split):
+    model = hybrid(attn_layers=(0, 1), attn_kv_heads=2, attn_rotary_dim=8,
+                   reset_token=reset_token).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    cache = model.init_cache(2)
+    last = model.prefill(idx[:, :split], cache)
+    assert (last - logits[:, split - 1]).abs().max() <= 1e-10
+    for t in range(split, idx.shape[1]):
+        out = model.step(idx[:, t], cache)
+        assert (out - logits[:, t]).abs().max() <= 1e-10, t
+
+
+@pytest.mark.smoke
+def test_decoding_in_windows_holds_one_document_per_row():
+    model = hybrid(reset_token=EOS).double().eval()
+    idx = packed_ids()
+    logits, _ = model(idx)
+    # prefilled in windows of 7, room for 8 tokens asked for: the cache grows when needed
+    cache = model.init_cache(2, max_len=8)
+    for start in range(0, 40, 7):
+        window = model.logits(model.hidden(idx[:, start:start + 7], cache))
+        assert (window - logits[:, start:start + 7]).abs().max() <= 1e-10, start
+        # what prefill does after a window that ends on EOS: the row starts afresh
+        done = idx[:, min(start + 7, 40) - 1] == EOS
+        for layer in cache:
+            for t in layer.values():
+                t.masked_fill_(done.view(-1, *(1,) * (t.dim() - 1)), 0)
+    kv = cache[1]
+    # row 0's last document started at 32, row 1's at 39: only those are kept; the room
+    # doubled from 8 as row 1's first document (39 tokens) grew
+    assert kv["n"].tolist() == [8, 1] and kv["k"].shape[2] == 64
+
+
+def test_generate_greedy_is_argmax_of_the_forward_and_stays_in_its_room():
+    model = hybrid().double().eval()
+    idx = torch.randint(0, 100, (2, 7))
+    out = model.generate(idx, 6, temperature=0)
+    for t in range(7, 13):
+        logits, _ = model(out[:, :t])
+        assert torch.equal(out[:, t], logits[:, -1].argmax(-1))
+    cache = model.init_cache(2, max_len=13)
+    model.prefill(out[:, :7], cache)
+    for t in range(7, 12):
+        model.step(out[:, t], cache)
+    assert cache[1]["k"].shape == (2, 4, 13, 16) and cache[1]["n"].tolist() == [12, 12]
+
+
+def test_flops_and_memory_count_attention():
+    import model as model_module
+
+    small = PRESETS["small"]
+    mixed = dataclasses.replace(small, attn_layers=(3,))
+    with torch.device("meta"):
+        ours = Mamba3LM(mixed)
+        theirs = Mamba3LM(small)
+    matmuls = sum(m.weight.numel() for m in ours.modules() if isinstance(m, torch.nn.Linear))
+    C, N, P, H = small.chunk_tokens, small.d_state, small.headdim, small.n_heads
+    scan = 3 * H * (2 * C * (N + P) + 4 * P * N)
+    # scores and values: 2 x 2 x L x d per token, halved for causality, x3 for training
+    attention = 3 * 2 * 256 * 256
+    assert ours.flops_per_token(256) == 6 * matmuls + 3 * scan + attention
+    assert ours.flops_per_token(2048) - theirs.flops_per_token(2048) > 0
+    plain = model_module.activation_bytes(small, 1024, seq_len=256)
+    assert plain == model_module.activation_bytes(small, 1024)
+    scores = model_module.activation_bytes(mixed, 1024, seq_len=256) - plain
+    assert scores == 1024 * 4 * 256 * model_module.SCORE_BYTES
+
+
+def test_gradient_checkpointing_and_compile_under_autocast():
+    model = hybrid(reset_token=EOS)
+    idx = packed_ids()
+    grads = []
+    for flag in (False, True):
+        model.zero_grad()
+        model.grad_checkpointing = flag
+        _, loss = model(idx, idx)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+    model.grad_checkpointing = False
+    results = []
+    for fn in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = fn(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert torch.allclose(eager_loss, compiled_loss, rtol=1e-3)
+    for a, b in zip(eager_grads, compiled_grads):
+        assert torch.allclose(a, b, rtol=2e-2, atol=1e-3 * a.abs().max().item())
