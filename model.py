@@ -170,6 +170,9 @@ class ModelConfig:
             raise ValueError(f"attn_rotary_dim (--attn-rotary-dim) {rotary}: rotary "
                              "embedding turns pairs of channels, so it must be even, from "
                              f"0 to the head dim {shape.head_dim}")
+        if not self.attn_rotary_base > 0:
+            raise ValueError(f"attn_rotary_base (--attn-rotary-base) "
+                             f"{self.attn_rotary_base}: expected a positive number")
 
 
 class AttnShape(NamedTuple):
