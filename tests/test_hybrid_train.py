@@ -75,3 +75,24 @@ def test_init_from_keeps_the_source_layout(corpus, tmp_path):
     text = run("--data", corpus, *BASE, "--max-steps", 1, "--init-from", src,
                "--attn-layers", "0", "--out-dir", tmp_path / "other", expect=2)
     assert "the attention flags" in text and not (tmp_path / "other").exists()
+
+
+def test_fsdp_trains_a_hybrid_as_ddp_does(corpus, tmp_path):
+    from test_fsdp import assert_close, launch
+
+    # one thread per process, as test_fsdp.py runs its ranks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        header = launch(corpus, tmp_path / "fsdp", "--fsdp", *HYBRID)
+        launch(corpus, tmp_path / "ddp", *HYBRID)
+    finally:
+        torch.set_num_threads(threads)
+    assert "world size 2, FSDP" in header and "attention in layers [1]" in header
+    fsdp = tmp_path / "fsdp"
+    ddp = tmp_path / "ddp"
+    assert sorted(losses(fsdp)) == list(range(1, 21))
+    assert_close(losses(fsdp), losses(ddp))
+    assert_close(weights(fsdp, 20), weights(ddp, 20))
+    # the attention block is sharded and saved whole, as the others
+    assert weights(fsdp, 20)["blocks.1.mixer.in_proj.weight"].shape == (4 * 16 + 2 * 2 * 16, 64)
