@@ -282,3 +282,93 @@ def test_gradient_checkpointing_and_compile_under_autocast():
     assert torch.allclose(eager_loss, compiled_loss, rtol=1e-3)
     for a, b in zip(eager_grads, compiled_grads):
         assert torch.allclose(a, b, rtol=2e-2, atol=1e-3 * a.abs().max().item())
+
+
+# --- the official format: attn_layer_idx and attn_cfg ---
+
+# two groups, a vocabulary that is not a multiple of 64, attention in layer 1 of 3
+HYBRID = ModelConfig(vocab_size=257, n_layer=3, d_model=64, headdim=16, d_state=16, ngroups=2,
+                     mlp_hidden=128, chunk_size=16, attn_layers=(1,), attn_heads=4,
+                     attn_kv_heads=2, attn_rotary_dim=8)
+
+
+def official_mha(state, prefix, attn_cfg, d_model, x):
+    """The official MHA's forward (mamba_ssm/modules/mha.py, no cache), in our words: in_proj,
+    then q is the first num_heads * head_dim columns and kv the rest, as (2, num_heads_kv,
+    head_dim); rotary embedding (flash_attn's, not interleaved: the first rotary_emb_dim / 2
+    channels pair with the next as many, inv_freq = 1 / base^(arange(0, dim, 2) / dim)) on q
+    and k; k and v repeat_interleave'd to num_heads; causal scaled_dot_product_attention;
+    out_proj. x (B, L, d_model) float64."""
+    H = attn_cfg["num_heads"]
+    Hkv = attn_cfg["num_heads_kv"]
+    d = attn_cfg["head_dim"]
+    r = attn_cfg["rotary_emb_dim"]
+    qkv = x @ state[prefix + "in_proj.weight"].double().T
+    B, L, _ = x.shape
+    q = qkv[..., :H * d].reshape(B, L, H, d)
+    kv = qkv[..., H * d:].reshape(B, L, 2, Hkv, d)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    inv_freq = 1.0 / attn_cfg["rotary_emb_base"] ** (
+        torch.arange(0, r, 2, dtype=torch.float64) / r)
+    freqs = torch.outer(torch.arange(L, dtype=torch.float64), inv_freq)  # (L, r/2)
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+
+    def rotate(t):
+        t1, t2, rest = t[..., :r // 2], t[..., r // 2:r], t[..., r:]
+        return torch.cat([t1 * cos - t2 * sin, t1 * sin + t2 * cos, rest], dim=-1)
+
+    q, k = rotate(q), rotate(k)
+    k = torch.repeat_interleave(k, dim=2, repeats=H // Hkv)
+    v = torch.repeat_interleave(v, dim=2, repeats=H // Hkv)
+    context = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    return context.reshape(B, L, H * d) @ state[prefix + "out_proj.weight"].double().T
+
+
+def test_a_hybrid_exports_as_the_official_hybrid(tmp_path):
+    import json
+
+    import official
+    from test_export import make_run
+
+    model = make_run(tmp_path / "run", HYBRID).double()
+    out = official.export(tmp_path / "run", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["attn_layer_idx"] == [1]
+    assert config["attn_cfg"] == {
+        "num_heads": 4, "num_heads_kv": 2, "head_dim": 16, "rotary_emb_dim": 8,
+        "rotary_emb_base": 10000.0, "causal": True, "qkv_proj_bias": False,
+        "out_proj_bias": False, "mlp_dim": 0, "d_conv": 0}
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    layer = {k.split("layers.1.")[1]: v.shape for k, v in state.items() if ".layers.1." in k}
+    assert layer == {"norm.weight": (64,), "mixer.in_proj.weight": (128, 64),
+                     "mixer.out_proj.weight": (64, 64), "norm2.weight": (64,),
+                     "mlp.fc1.weight": (256, 64), "mlp.fc2.weight": (64, 128)}
+    # the official MHA's output equals our mixer's
+    x = torch.randn(2, 11, 64, dtype=torch.float64)
+    theirs = official_mha(state, "backbone.layers.1.mixer.", config["attn_cfg"], 64, x)
+    with torch.no_grad():
+        ours = model.blocks[1].mixer(x)
+    assert (theirs - ours).abs().max() <= 1e-10
+    assert "flash_attn" in (out / "README.md").read_text().replace("flash-attn", "flash_attn")
+
+
+@pytest.mark.parametrize("mimo_rank", [1, 2])
+def test_a_hybrid_round_trips_bit_for_bit(tmp_path, mimo_rank):
+    import official
+    from test_export import make_run
+
+    config = dataclasses.replace(HYBRID, attn_qkv_bias=True, attn_out_bias=True,
+                                 mimo_rank=mimo_rank)
+    model = make_run(tmp_path / "run", config)
+    official.export(tmp_path / "run", tmp_path / "out")
+    idx = torch.randint(0, 257, (2, 40))
+    with torch.no_grad():
+        expected = model(idx)[0]
+    config, state, _ = official.read_pretrained(tmp_path / "out")
+    back = Mamba3LM(ModelConfig(**config))
+    assert back.config.attn_shape == model.config.attn_shape
+    assert back.config.attn_layers == (1,) and back.config.attn_out_bias
+    back.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(back(idx)[0], expected)

@@ -68,10 +68,14 @@ def test_a_hybrid_resumes_bit_identically_after_kill_9(corpus, tmp_path):
 def test_init_from_keeps_the_source_layout(corpus, tmp_path):
     src = tmp_path / "src"
     run("--data", corpus, *BASE, *HYBRID, "--max-steps", 2, "--out-dir", src)
-    out = tmp_path / "from"
-    text = run("--data", corpus, *BASE, "--max-steps", 1, "--init-from", src, "--out-dir", out)
-    assert "attention in layers [1]" in text
-    assert ckpt.read_meta(out, 1)["model_config"]["attn_layers"] == [1]
+    official.export(src, tmp_path / "export")
+    for path in (src, tmp_path / "export"):
+        out = tmp_path / f"from-{path.name}"
+        text = run("--data", corpus, *BASE, "--max-steps", 1, "--init-from", path,
+                   "--out-dir", out)
+        assert "attention in layers [1] (4 heads, 2 KV heads of 16)" in text
+        config = ckpt.read_meta(out, 1)["model_config"]
+        assert config["attn_layers"] == [1] and config["attn_rotary_dim"] == 8
     text = run("--data", corpus, *BASE, "--max-steps", 1, "--init-from", src,
                "--attn-layers", "0", "--out-dir", tmp_path / "other", expect=2)
     assert "the attention flags" in text and not (tmp_path / "other").exists()
