@@ -11,8 +11,10 @@ with the MLP omitted when mlp_hidden is 0; then a final RMSNorm and an LM head t
 embedding. The mixer is a bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle,
 then kernels.mixer, then a bias-free out_proj. MIMO (mimo_rank R > 1) has R ranks of B and
 C, lifts x and z per head to R inputs and gates (mimo_x, mimo_z) and sums the R outputs
-(mimo_o): R times the scan's FLOPs on the same state. Decoding runs the recurrence one
-token per step and reproduces the forward's logits.
+(mimo_o): R times the scan's FLOPs on the same state. A hybrid's attn_layers have causal
+attention as their mixer instead (Attention, the official MHA's layout). Decoding runs the
+recurrence one token per step (and a KV cache in attention layers) and reproduces the
+forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
