@@ -306,15 +306,20 @@ def resolve(cfg, init=None):
         other_model = cfg.model and cfg.model not in same
         other_vocab = cfg.vocab_size not in (None, init["vocab_size"])
         other_rank = cfg.mimo_rank not in (None, init["mimo_rank"])
+        if other_model or other_vocab or other_rank:
+            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape "
+                             f"({init}): --model, --vocab-size and --mimo-rank may not "
+                             "change it")
+        # The attention layers and their shape are the source's too.
         other_attention = []
         for name, value in attention_fields(cfg).items():
             if init.get(name) != value:
                 other_attention.append("--" + name.replace("_", "-"))
-        if other_model or other_vocab or other_rank or other_attention:
-            raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape "
-                             f"({init}): --model, --vocab-size, --mimo-rank and the "
-                             "attention flags (--attn-layers and its shape) may not "
-                             "change it")
+        if other_attention:
+            layers = list(init.get("attn_layers", ()))
+            raise TrainError(f"--init-from {cfg.init_from} has attention in layers "
+                             f"{layers} with its own shape: {', '.join(other_attention)} "
+                             "may not change it; leave them out")
         if cfg.model is None:
             model = same[0] if same else "small"
 
