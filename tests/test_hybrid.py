@@ -94,7 +94,6 @@ def test_attention_is_plain_softmax_attention(shape, L):
     assert (mixer(u) - expected).abs().max() <= 1e-10
 
 
-@pytest.mark.smoke
 def test_attention_layout_is_the_official_mha():
     model = hybrid(attn_heads=4, attn_kv_heads=2)
     mixer = model.blocks[1].mixer
@@ -202,7 +201,6 @@ def test_prefill_then_step_equals_the_forward(reset_token, split):
         assert (out - logits[:, t]).abs().max() <= 1e-10, t
 
 
-@pytest.mark.smoke
 def test_decoding_in_windows_holds_one_document_per_row():
     model = hybrid(reset_token=EOS).double().eval()
     idx = packed_ids()
