@@ -11,8 +11,10 @@ with the MLP omitted when mlp_hidden is 0; then a final RMSNorm and an LM head t
 embedding. The mixer is a bias-free in_proj to z | x | B | C | dd_dt | dd_A | trap | angle,
 then kernels.mixer, then a bias-free out_proj. MIMO (mimo_rank R > 1) has R ranks of B and
 C, lifts x and z per head to R inputs and gates (mimo_x, mimo_z) and sums the R outputs
-(mimo_o): R times the scan's FLOPs on the same state. Decoding runs the recurrence one
-token per step and reproduces the forward's logits.
+(mimo_o): R times the scan's FLOPs on the same state. A hybrid's attn_layers have causal
+attention as their mixer instead (Attention, the official MHA's layout). Decoding runs the
+recurrence one token per step (and a KV cache in attention layers) and reproduces the
+forward's logits.
 
     model = Mamba3LM(PRESETS["small"])
     logits, loss = model(idx, targets)           # idx, targets: (B, L) int64
@@ -21,7 +23,7 @@ token per step and reproduces the forward's logits.
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -61,6 +63,18 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # The state resets after this token (a document's EOS); None: never.
     reset_token: Optional[int] = None
+    # The layers whose mixer is attention, by index (a hybrid); empty: every layer is a
+    # Mamba-3 one. The attention's shape follows; None derives it (see attn_shape).
+    attn_layers: tuple = ()
+    attn_heads: Optional[int] = None
+    # Grouped-query attention: the query heads share this many key and value heads.
+    attn_kv_heads: Optional[int] = None
+    attn_head_dim: Optional[int] = None
+    # The channels of each query and key head that rotary embedding turns (even).
+    attn_rotary_dim: Optional[int] = None
+    attn_rotary_base: float = 10000.0
+    attn_qkv_bias: bool = False
+    attn_out_bias: bool = False
 
     @property
     def d_inner(self):
@@ -82,6 +96,28 @@ class ModelConfig:
         return self.chunk_size // self.mimo_rank
 
     @property
+    def attn_shape(self):
+        """The attention's AttnShape. The head dim defaults to d_model / attn_heads when
+        the heads are given, else to the Mamba headdim (64 in the GPU presets); the heads
+        to d_model / head dim; the KV heads to the heads (no grouping); the rotary dims to
+        the whole head."""
+        head_dim = self.attn_head_dim
+        if head_dim is None and self.attn_heads:
+            head_dim = self.d_model // self.attn_heads
+        if head_dim is None:
+            head_dim = self.headdim
+        heads = self.attn_heads
+        if heads is None:
+            heads = self.d_model // head_dim
+        kv_heads = self.attn_kv_heads
+        if kv_heads is None:
+            kv_heads = heads
+        rotary_dim = self.attn_rotary_dim
+        if rotary_dim is None:
+            rotary_dim = head_dim
+        return AttnShape(heads, kv_heads, head_dim, rotary_dim)
+
+    @property
     def padded_vocab(self):
         """The vocabulary rounded up to a multiple of 64."""
         return -(-self.vocab_size // 64) * 64
@@ -99,6 +135,54 @@ class ModelConfig:
                              f"chunk_size {self.chunk_size} (chunk_size // mimo_rank "
                              f"tokens of mimo_rank rows make a chunk), got "
                              f"{self.mimo_rank}")
+        # A JSON config holds a list.
+        self.attn_layers = tuple(self.attn_layers)
+        if self.attn_layers:
+            self.check_attention()
+
+    def check_attention(self):
+        """Refuse attention layers or an attention shape that cannot be built, naming the
+        field and its train.py flag."""
+        layers = list(self.attn_layers)
+        for i in layers:
+            if not isinstance(i, int) or not 0 <= i < self.n_layer:
+                raise ValueError(f"attn_layers (--attn-layers) {layers}: {i!r} is not a "
+                                 f"layer of this model; its {self.n_layer} layers are 0 to "
+                                 f"{self.n_layer - 1}")
+        if len(set(layers)) < len(layers):
+            raise ValueError(f"attn_layers (--attn-layers) {layers} names a layer twice; "
+                             "name each attention layer once")
+        for name in ("attn_heads", "attn_kv_heads", "attn_head_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be at least 1, got {value}")
+        shape = self.attn_shape
+        # Without a head dim of its own, the heads split d_model evenly.
+        if self.attn_head_dim is None and shape.heads * shape.head_dim != self.d_model:
+            raise ValueError(f"attention heads of {shape.head_dim} channels (--attn-heads "
+                             f"{shape.heads}) do not divide d_model {self.d_model}: choose "
+                             "--attn-heads that divide it, or give --attn-head-dim")
+        if shape.heads < 1 or shape.heads % shape.kv_heads:
+            raise ValueError(f"attn_kv_heads (--attn-kv-heads) {shape.kv_heads} does not "
+                             f"divide the {shape.heads} attention heads (--attn-heads): "
+                             "each KV head serves an equal group of query heads")
+        rotary = shape.rotary_dim
+        if rotary < 0 or rotary % 2 or rotary > shape.head_dim:
+            raise ValueError(f"attn_rotary_dim (--attn-rotary-dim) {rotary}: rotary "
+                             "embedding turns pairs of channels, so it must be even, from "
+                             f"0 to the head dim {shape.head_dim}")
+        if not self.attn_rotary_base > 0:
+            raise ValueError(f"attn_rotary_base (--attn-rotary-base) "
+                             f"{self.attn_rotary_base}: expected a positive number")
+
+
+class AttnShape(NamedTuple):
+    """The attention's heads, KV heads, channels per head, and rotated channels per head."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
 
 
 # The paper's size classes (expand 2, N 128, P 64) plus two CPU-sized ones. vocab_size is
@@ -234,6 +318,160 @@ class Mamba3Mixer(nn.Module):
         return out
 
 
+# -----------------------------------------------------------------------------
+# Attention, the mixer of a hybrid's attention layers.
+
+
+def rotary(x, positions, rotary_dim, base):
+    """x (B, L, heads, d) with its first rotary_dim channels turned by rotary embedding,
+    the NeoX half split: channel i < r/2 pairs with channel i + r/2, and the pair turns by
+    the angle position * base^(-2i/r), r = rotary_dim. positions (B, L) int64."""
+    if rotary_dim == 0:
+        return x
+    half = rotary_dim // 2
+    # float32 angles (float64 for a float64 model), as the official cos/sin tables are.
+    fdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    exponents = torch.arange(0, rotary_dim, 2, dtype=fdt, device=x.device) / rotary_dim
+    inv_freq = 1.0 / base ** exponents  # (r/2,)
+    angles = positions.to(fdt)[..., None] * inv_freq  # (B, L, r/2)
+    # One angle per token, shared by the heads.
+    cos = angles.cos()[:, :, None]  # (B, L, 1, r/2)
+    sin = angles.sin()[:, :, None]
+    x1 = x[..., :half].to(fdt)
+    x2 = x[..., half:rotary_dim].to(fdt)
+    turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([turned.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+
+def documents(reset, length, device):
+    """reset (B, L) bool or None -> (positions, segments): each token's position in its
+    document (B, L) or (1, L) int64, and which document of the window it is in (B, L), 0
+    for the first (None without resets)."""
+    i = torch.arange(length, device=device)
+    if reset is None:
+        return i[None], None
+    # The index where each token's document starts: the latest reset at or before it.
+    starts = torch.where(reset, i, 0).cummax(dim=1).values  # (B, L)
+    return i - starts, reset.long().cumsum(dim=1)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention laid out as the official MHA (mamba_ssm/modules/mha.py):
+    one in_proj whose rows are [Q | K | V] (heads x head_dim rows of queries, then
+    kv_heads x head_dim of keys and of values), rotary embedding of q and k, and out_proj.
+
+        attn(q, k, v)_i = sum_{j <= i} softmax_j(q_i . k_j / sqrt(head_dim)) v_j
+
+    over the tokens j of token i's document. Query head h reads KV head h // (heads /
+    kv_heads). With a cache it attends to the cached keys of each row's document too, and
+    keeps the keys and values of the document it ends in."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.shape = cfg.attn_shape
+        self.base = cfg.attn_rotary_base
+        q_dim = self.shape.heads * self.shape.head_dim
+        kv_dim = self.shape.kv_heads * self.shape.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split), bias=cfg.attn_qkv_bias)
+        self.out_proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.attn_out_bias)
+
+    def forward(self, u, cache=None, impl="auto", reset=None):
+        """u (B, L, d_model) -> (B, L, d_model); reset (B, L) bool: where a document
+        starts; cache: this layer's of init_cache, which moves on in place. (impl is the
+        Mamba layers' and means nothing here.)"""
+        B, L, _ = u.shape
+        shape = self.shape
+        q, k, v = self.in_proj(u).split(self.split, dim=-1)
+        q = q.unflatten(-1, (shape.heads, shape.head_dim))  # (B, L, heads, d)
+        k = k.unflatten(-1, (shape.kv_heads, shape.head_dim))  # (B, L, kv_heads, d)
+        v = v.unflatten(-1, (shape.kv_heads, shape.head_dim))
+        positions, segments = documents(reset, L, u.device)
+        if cache is not None:
+            # The first document of the window goes on from the cached one.
+            continued = cache["n"][:, None] + torch.arange(L, device=u.device)
+            if segments is None:
+                positions = continued
+            else:
+                positions = torch.where(segments == 0, continued, positions)
+        q = rotary(q, positions.expand(B, L), shape.rotary_dim, self.base)
+        k = rotary(k, positions.expand(B, L), shape.rotary_dim, self.base)
+        # (B, heads, L, d) from here on, as scaled_dot_product_attention takes them.
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is None:
+            out = self.attend(q, k, v, causal_mask(segments))
+        else:
+            out = self.attend_cached(q, k, v, positions, segments, cache)
+        out = out.transpose(1, 2).flatten(2)  # (B, L, heads * d)
+        return self.out_proj(out)
+
+    def attend(self, q, k, v, mask):
+        """softmax(q k^T / sqrt(d)) v, causal where mask is None, else where mask (B, 1,
+        L, S) is True. k and v are repeated from kv_heads to heads first."""
+        group = self.shape.heads // self.shape.kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def attend_cached(self, q, k, v, positions, segments, cache):
+        """attend() over the cache's keys and then the window's, and the cache moved on.
+
+        The cache holds, per row, the keys and values of its current document only: slot
+        p is the token at position p, and n (B,) counts them (a row cleared to n = 0
+        starts a new document). The window's first document sees the n cached tokens;
+        a later one (after a reset) sees none."""
+        B, _, L, _ = q.shape
+        n = cache["n"]
+        # The longest cached document: the slots past it are empty in every row.
+        used = int(n.max())
+        past_k = cache["k"][:, :, :used]
+        past_v = cache["v"][:, :, :used]
+        if segments is None:
+            segments = torch.zeros(B, L, dtype=torch.long, device=q.device)
+        first = segments == 0  # (B, L)
+        slots = torch.arange(used, device=q.device)
+        sees_past = (slots < n[:, None])[:, None, :] & first[:, :, None]  # (B, L, used)
+        mask = torch.cat([sees_past, causal_mask(segments)[:, 0]], dim=-1)
+        out = self.attend(q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2),
+                          mask[:, None])
+
+        # Each row keeps the tokens of the document its window ends in, at their
+        # positions.
+        keep = segments == segments[:, -1:]  # (B, L)
+        length = positions[:, -1] + 1  # (B,)
+        need = int(length.max())
+        room = cache["k"].shape[2]
+        if need > room:
+            # Grown by at least double, so that decoding token by token copies the cache
+            # only log(length) times.
+            grow = max(need, 2 * room) - room
+            cache["k"] = F.pad(cache["k"], (0, 0, 0, grow))
+            cache["v"] = F.pad(cache["v"], (0, 0, 0, grow))
+        rows, tokens = keep.nonzero(as_tuple=True)
+        at = positions[rows, tokens]
+        cache["k"][rows, :, at] = k[rows, :, tokens].to(cache["k"].dtype)
+        cache["v"][rows, :, at] = v[rows, :, tokens].to(cache["v"].dtype)
+        cache["n"].copy_(length)
+        return out
+
+
+def causal_mask(segments):
+    """(B, 1, L, L) bool: token i sees token j <= i of its own document (segments (B, L),
+    as documents() gives them), a block-diagonal causal mask; None without segments, for
+    plain causal attention."""
+    if segments is None:
+        return None
+    L = segments.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]  # (B, L, L)
+    return (same & causal)[:, None]
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -246,10 +484,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A pre-norm block, its mixer Mamba-3 or (attention=True) attention."""
+
+    def __init__(self, cfg: ModelConfig, attention=False):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = Mamba3Mixer(cfg)
+        if attention:
+            self.mixer = Attention(cfg)
+        else:
+            self.mixer = Mamba3Mixer(cfg)
         self.norm2 = None
         self.mlp = None
         if cfg.mlp_hidden:
@@ -283,7 +526,10 @@ class Mamba3LM(nn.Module):
         # Recompute each block in backward: less memory, about a third more compute.
         self.grad_checkpointing = False
         self.embed = nn.Embedding(config.padded_vocab, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        blocks = []
+        for i in range(config.n_layer):
+            blocks.append(Block(config, attention=i in config.attn_layers))
+        self.blocks = nn.ModuleList(blocks)
         self.norm_f = nn.RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         # Tied: one tensor, two uses.
@@ -321,9 +567,11 @@ class Mamba3LM(nn.Module):
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of
-        every matmul (the LM head included, the embedding lookup not), plus the scan's
-        matmuls per chunk of C tokens, C*R rows at MIMO rank R: Q K^T and M X (2CR^2(N+P)
-        per token and head) and the state in and out (4RPN)."""
+        every matmul (the LM head included, the embedding lookup not), plus, in each Mamba
+        layer, the scan's matmuls per chunk of C tokens, C*R rows at MIMO rank R: Q K^T and
+        M X (2CR^2(N+P) per token and head) and the state in and out (4RPN); and in each
+        attention layer the scores q.k and the weighted values, 2 x 2 x L x d per token
+        (d = heads x head_dim, L = seq_len) halved for causality: 2Ld."""
         cfg = self.config
         matmul_params = 0
         for module in self.modules():
@@ -334,8 +582,12 @@ class Mamba3LM(nn.Module):
         P = cfg.headdim
         N = cfg.d_state
         per_head = 2 * C * R * R * (N + P) + 4 * R * P * N
-        scan = cfg.n_layer * cfg.n_heads * per_head
-        return 6 * matmul_params + 3 * scan
+        n_attn = len(cfg.attn_layers)
+        scan = (cfg.n_layer - n_attn) * cfg.n_heads * per_head
+        shape = cfg.attn_shape
+        d = shape.heads * shape.head_dim
+        attention = n_attn * 2 * seq_len * d
+        return 6 * matmul_params + 3 * (scan + attention)
 
     def resets(self, idx):
         """(B, L) bool: True after each reset_token (None without one). Position 0 is never
@@ -374,11 +626,15 @@ class Mamba3LM(nn.Module):
 
     # Recurrent decoding.
 
-    def init_cache(self, batch_size):
-        """Per layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's k
-        (B, H, N), or its R k's (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R
+    def init_cache(self, batch_size, max_len=0):
+        """Per Mamba layer: phases Phi (B, H, S), state S (B, H, P, N), and the last token's
+        k (B, H, N), or its R k's (B, H, R, N) at MIMO rank R, and its x (B, H, P) (its R
         inputs are lifted from it again). Phi and S are float32 (float64 for a float64
-        model)."""
+        model). Per attention layer: the keys k and values v of each row's current
+        document (B, kv_heads, T, head_dim), slot p the token at position p, and n (B,)
+        int64 their count; T starts at max_len (room the caller expects to use) and grows
+        when a document outgrows it. Zeroing a row of every tensor (as prefill does after a
+        reset_token) starts a new document there."""
         cfg = self.config
         p = self.embed.weight
         fdt = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -388,8 +644,17 @@ class Mamba3LM(nn.Module):
         N = cfg.d_state
         S = cfg.n_angles
         k_shape = (B, H, N) if cfg.mimo_rank == 1 else (B, H, cfg.mimo_rank, N)
+        shape = cfg.attn_shape
+        kv_shape = (B, shape.kv_heads, max_len, shape.head_dim)
         caches = []
-        for _ in range(cfg.n_layer):
+        for i in range(cfg.n_layer):
+            if i in cfg.attn_layers:
+                caches.append(dict(
+                    k=p.new_zeros(kv_shape),
+                    v=p.new_zeros(kv_shape),
+                    n=torch.zeros(B, dtype=torch.long, device=p.device),
+                ))
+                continue
             caches.append(dict(
                 phi=p.new_zeros(B, H, S, dtype=fdt),
                 S=p.new_zeros(B, H, P, N, dtype=fdt),
@@ -414,14 +679,15 @@ class Mamba3LM(nn.Module):
         return logits
 
     def step(self, tokens, cache):
-        """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence, in
-        place."""
+        """tokens (B,) -> logits (B, vocab_size) by one O(1) step of the recurrence (and
+        O(context) in attention layers), in place."""
         return self.prefill(tokens[:, None], cache, impl="recurrent")
 
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Yield (B,) tokens: prefill idx (B, L), then decode one by one (temperature 0:
         greedy)."""
-        cache = self.init_cache(idx.shape[0])
+        # The attention layers' room for the prompt and every new token, allocated once.
+        cache = self.init_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
         logits = self.prefill(idx, cache)
         for i in range(max_new_tokens):
             token = sample_next(logits, temperature, top_k, generator)
@@ -443,15 +709,29 @@ class Mamba3LM(nn.Module):
 ACT_BYTES = 256
 RECOMPUTED_BYTES = 32
 LOGIT_BYTES = 12
+# An attention layer counts as a Mamba layer (its projections and their inputs are
+# smaller), plus the float32 scores and softmax weights that PyTorch's plain attention
+# keeps for backward: this many bytes per token, head and key. (The Flash and
+# memory-efficient kernels of a GPU keep none.)
+SCORE_BYTES = 8
 
 
-def activation_bytes(config, tokens, recompute=False):
+def activation_bytes(config, tokens, recompute=False, seq_len=None):
     """About how many bytes the activations of a training micro-batch of `tokens` tokens
-    take (recompute: under gradient checkpointing, which keeps one block's whole)."""
+    take (recompute: under gradient checkpointing, which keeps one block's whole), in
+    windows of seq_len tokens (for the attention scores; None counts none)."""
     n = config.n_layer
     # Bytes per d_model and token, over all layers.
     if recompute:
         layers = ACT_BYTES + RECOMPUTED_BYTES * n
     else:
         layers = ACT_BYTES * n
-    return tokens * (LOGIT_BYTES * config.padded_vocab + config.d_model * layers)
+    total = tokens * (LOGIT_BYTES * config.padded_vocab + config.d_model * layers)
+    n_attn = len(config.attn_layers)
+    if seq_len and n_attn:
+        # Recomputed, one attention layer's scores live at a time.
+        if recompute:
+            n_attn = 1
+        heads = config.attn_shape.heads
+        total += tokens * n_attn * heads * seq_len * SCORE_BYTES
+    return total

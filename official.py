@@ -22,6 +22,11 @@ and shapes that differ:
     blocks.i.mlp.down      backbone.layers.i.mlp.fc2
     norm_f                 backbone.norm_f
 
+A hybrid's attention layers (attn_layers) are the official MHA's, listed in attn_layer_idx
+with their shape in attn_cfg: the same in_proj ([Q | K | V] rows) and out_proj, NeoX rotary
+on the first rotary_emb_dim channels, causal, without the MHA's convolution and MLP (d_conv 0,
+mlp_dim 0).
+
 For MIMO, our chunk_size counts rows and the official one tokens (theirs is ours / R). The
 official kernel rotates state dim n with n + N/2 where we rotate (2n, 2n + 1): a fixed
 permutation of the state dims. An official MIMO layer of rank 1 comes in as SISO, its
@@ -93,6 +98,12 @@ SHARED = [k for k in MAMBA3_DEFAULTS if hasattr(ModelConfig, k)]
 # without the output norm.
 MAMBA3_INERT = {"layer", "mimo_rank", "fuse_pregate_headwise_norm", "dropout"}
 
+# The official MHA's arguments with their defaults (mamba_ssm/modules/mha.py), for attn_cfg.
+MHA_DEFAULTS = dict(num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
+                    out_proj_bias=True, softmax_scale=None, causal=False, d_conv=0,
+                    rotary_emb_dim=0, rotary_emb_base=10000.0,
+                    rotary_emb_interleaved=False)
+
 # Our mixer's tensors, and those only MIMO has (the same names both ways).
 MIXER_NAMES = ("in_proj.weight", "dt_bias", "B_bias", "C_bias", "B_norm_weight",
                "C_norm_weight", "D", "out_proj.weight")
@@ -124,6 +135,18 @@ def official_config(cfg, where) -> dict:
                         f"epsilon at {NORM_EPS}")
     if problems:
         raise CheckpointError(f"{where} {NOT_OFFICIAL}: {'; '.join(problems)}")
+    attn_layer_idx = []
+    attn_cfg = {}
+    if cfg.attn_layers:
+        shape = cfg.attn_shape
+        attn_layer_idx = sorted(cfg.attn_layers)
+        # Every argument written out: the official MHA's defaults (biases on, not
+        # causal) are not ours.
+        attn_cfg = dict(num_heads=shape.heads, num_heads_kv=shape.kv_heads,
+                        head_dim=shape.head_dim, rotary_emb_dim=shape.rotary_dim,
+                        rotary_emb_base=cfg.attn_rotary_base, causal=True,
+                        qkv_proj_bias=cfg.attn_qkv_bias, out_proj_bias=cfg.attn_out_bias,
+                        mlp_dim=0, d_conv=0)
     ssm_cfg = {"layer": "Mamba3"}
     for k in SHARED:
         ssm_cfg[k] = getattr(cfg, k)
@@ -139,7 +162,54 @@ def official_config(cfg, where) -> dict:
     # (untrained) would take probability mass.
     return dict(CONFIG_DEFAULTS, d_model=cfg.d_model, d_intermediate=cfg.mlp_hidden,
                 n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg,
+                attn_layer_idx=attn_layer_idx, attn_cfg=attn_cfg,
                 pad_vocab_size_multiple=1)
+
+
+def attention_from_official(c, problems):
+    """The ModelConfig fields of a MambaConfig's attn_layer_idx and attn_cfg (c, with its
+    defaults filled); what our attention cannot be is added to `problems`."""
+    layers = c["attn_layer_idx"] or []
+    # Without attention layers, ModelConfig's defaults.
+    if not layers:
+        fields = {}
+        for field in dataclasses.fields(ModelConfig):
+            if field.name.startswith("attn_"):
+                fields[field.name] = field.default
+        return fields
+    given = c["attn_cfg"] or {}
+    attn = {**MHA_DEFAULTS, **given}
+    unknown = sorted(given.keys() - MHA_DEFAULTS.keys() - {"num_heads"})
+    if unknown:
+        problems.append(f"attn_cfg options this reader does not know: {', '.join(unknown)}")
+    if "num_heads" not in given:
+        problems.append("attn_cfg without num_heads")
+    # The fields the official MHA has and ours has not, each named.
+    if attn["d_conv"]:
+        problems.append(f"attn_cfg d_conv {attn['d_conv']}: a convolution before "
+                        "attention")
+    if attn["mlp_dim"]:
+        problems.append(f"attn_cfg mlp_dim {attn['mlp_dim']}: an MLP inside the attention "
+                        "mixer")
+    if not attn["causal"]:
+        problems.append("attn_cfg causal false (a language model attends causally)")
+    if attn["rotary_emb_interleaved"]:
+        problems.append("attn_cfg rotary_emb_interleaved true (ours is the NeoX half "
+                        "split)")
+    if attn["softmax_scale"] is not None:
+        problems.append(f"attn_cfg softmax_scale {attn['softmax_scale']} (ours is "
+                        "1/sqrt(head_dim))")
+    heads = given.get("num_heads")
+    head_dim = attn["head_dim"]
+    # The official default head dim, d_model / num_heads.
+    if head_dim is None and isinstance(heads, int) and heads > 0:
+        head_dim = c["d_model"] // heads
+    return dict(attn_layers=tuple(layers), attn_heads=heads,
+                attn_kv_heads=attn["num_heads_kv"] or heads, attn_head_dim=head_dim,
+                attn_rotary_dim=attn["rotary_emb_dim"],
+                attn_rotary_base=float(attn["rotary_emb_base"]),
+                attn_qkv_bias=bool(attn["qkv_proj_bias"]),
+                attn_out_bias=bool(attn["out_proj_bias"]))
 
 
 def config_from_official(config: dict, where) -> dict:
@@ -170,8 +240,7 @@ def config_from_official(config: dict, where) -> dict:
         problems.append(f"mimo_rank {R!r}")
     if ssm["is_outproj_norm"]:
         problems.append("a norm before out_proj (is_outproj_norm)")
-    if c["attn_layer_idx"]:
-        problems.append(f"attention layers {c['attn_layer_idx']}")
+    attention = attention_from_official(c, problems)
     if not c["rms_norm"]:
         problems.append("LayerNorm blocks (rms_norm false)")
     if not c["tie_embeddings"]:
@@ -183,7 +252,7 @@ def config_from_official(config: dict, where) -> dict:
     if problems:
         raise CheckpointError(f"{where}: {'; '.join(problems)}. mamba3-lite reads Mamba-3 "
                               "SISO and MIMO models with RMSNorm, gated MLPs and a tied LM "
-                              "head")
+                              "head, and hybrids with causal attention layers")
     # GatedMLP rounds its hidden size up to a multiple of MLP_MULTIPLE.
     multiples = -(-c["d_intermediate"] // MLP_MULTIPLE)
     mlp_hidden = multiples * MLP_MULTIPLE
@@ -191,7 +260,7 @@ def config_from_official(config: dict, where) -> dict:
     return dict(fields, vocab_size=c["vocab_size"], n_layer=c["n_layer"],
                 d_model=c["d_model"], expand=int(ssm["expand"]), mlp_hidden=mlp_hidden,
                 norm_eps=NORM_EPS, reset_token=None, mimo_rank=R,
-                chunk_size=ssm["chunk_size"] * R)
+                chunk_size=ssm["chunk_size"] * R, **attention)
 
 
 def _names(cfg, mimo=False):
@@ -200,20 +269,33 @@ def _names(cfg, mimo=False):
     mixer = list(MIXER_NAMES)
     if mimo or cfg.mimo_rank > 1:
         mixer += MIMO_NAMES
+    # The attention mixer's tensors have the official MHA's names.
+    attention = ["in_proj.weight", "out_proj.weight"]
+    if cfg.attn_qkv_bias:
+        attention.append("in_proj.bias")
+    if cfg.attn_out_bias:
+        attention.append("out_proj.bias")
     layer = {"norm.weight": ["norm1.weight"]}
+    attn_layer = {"norm.weight": ["norm1.weight"]}
     for name in mixer:
         # Our B_norm_weight is their B_norm.weight.
         theirs = name.replace("norm_w", "norm.w")
         layer[f"mixer.{theirs}"] = [f"mixer.{name}"]
+    for name in attention:
+        attn_layer[f"mixer.{name}"] = [f"mixer.{name}"]
     if cfg.mlp_hidden:
-        layer["norm2.weight"] = ["norm2.weight"]
-        # GatedMLP's fc1 is our up and gate stacked, as it splits them.
-        layer["mlp.fc1.weight"] = ["mlp.up.weight", "mlp.gate.weight"]
-        layer["mlp.fc2.weight"] = ["mlp.down.weight"]
+        for block in (layer, attn_layer):
+            block["norm2.weight"] = ["norm2.weight"]
+            # GatedMLP's fc1 is our up and gate stacked, as it splits them.
+            block["mlp.fc1.weight"] = ["mlp.up.weight", "mlp.gate.weight"]
+            block["mlp.fc2.weight"] = ["mlp.down.weight"]
     names = {"backbone.embedding.weight": ["embed.weight"],
              "backbone.norm_f.weight": ["norm_f.weight"]}
     for i in range(cfg.n_layer):
-        for theirs, ours in layer.items():
+        block = layer
+        if i in cfg.attn_layers:
+            block = attn_layer
+        for theirs, ours in block.items():
             names[f"backbone.layers.{i}.{theirs}"] = [f"blocks.{i}.{a}" for a in ours]
     return names
 
@@ -242,6 +324,9 @@ def _reorder_state_dims(state, cfg, back=False):
     hi = lo + 2 * cfg.mimo_rank * cfg.ngroups * N
     state = dict(state)
     for i in range(cfg.n_layer):
+        # Attention layers have no state dims.
+        if i in cfg.attn_layers:
+            continue
         m = f"blocks.{i}.mixer."
         W = state[m + "in_proj.weight"]
         bc = W[lo:hi].unflatten(0, (-1, N))[:, order].flatten(0, 1)
@@ -295,6 +380,8 @@ def _fold_rank_one(out, vectors, cfg):
     and z * mimo_z, in_proj's x and z rows are scaled; with mimo_o * y, out_proj's columns."""
     HP = cfg.n_heads * cfg.headdim
     for i in range(cfg.n_layer):
+        if i in cfg.attn_layers:
+            continue
         m = f"blocks.{i}.mixer."
         W = out[m + "in_proj.weight"]
         Wo = out[m + "out_proj.weight"]
@@ -541,6 +628,12 @@ def usage(out, marker):
     if reset is not None:
         notes.append(f"this model resets its state after token {reset} (reset_token), but the "
                      "official model does not reset at EOS: give it one document per sequence")
+    config = marker["model_config"]
+    # A rotary dim of None is the whole head.
+    rotary = bool(config.get("attn_layers")) and config.get("attn_rotary_dim") != 0
+    if rotary:
+        notes.append("its attention layers use rotary embedding, which the official MHA "
+                     "takes from flash_attn: `pip install flash-attn` beside mamba-ssm")
     return load, command, notes
 
 

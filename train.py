@@ -206,6 +206,23 @@ class TrainConfig:
     mimo_rank: Annotated[Int, Option(
         min=1, help="MIMO rank R; 1: SISO (default: 1, or --init-from's).")] = None
 
+    # A hybrid: attention layers among the Mamba-3 ones, and their shape.
+    attn_layers: Annotated[Optional[str], Option(
+        help="The layers whose mixer is attention, by index from 0, e.g. 3,7 (default: "
+             "none, or --init-from's).")] = None
+    attn_heads: Annotated[Int, Option(
+        min=1, help="Attention heads (default: d_model / --attn-head-dim).")] = None
+    attn_kv_heads: Annotated[Int, Option(
+        min=1, help="Key/value heads, grouped-query attention (default: the heads).")] = None
+    attn_head_dim: Annotated[Int, Option(
+        min=1, help="Channels per attention head (default: the Mamba headdim, or d_model / "
+                    "--attn-heads).")] = None
+    attn_rotary_dim: Annotated[Int, Option(
+        min=0, help="Channels per head turned by rotary embedding, even; 0: none "
+                    "(default: the whole head).")] = None
+    attn_rotary_base: Annotated[Optional[float], Option(
+        min=0, help="Rotary embedding's base (default: 10000).")] = None
+
     # The batch and the schedule.
     seq_len: Annotated[Int, preset(
         "seq_len", "Context length.")] = None
@@ -306,6 +323,36 @@ def refuse_empty_paths(cfg):
                          "out)")
 
 
+# The attention flags, which are ModelConfig's fields of the same names.
+ATTN_FLAGS = ("attn_layers", "attn_heads", "attn_kv_heads", "attn_head_dim",
+              "attn_rotary_dim", "attn_rotary_base")
+
+
+def attention_fields(cfg):
+    """The ModelConfig fields that the attention flags given set, --attn-layers "3,7" as
+    (3, 7)."""
+    fields = {}
+    for name in ATTN_FLAGS:
+        value = getattr(cfg, name)
+        if value is not None:
+            fields[name] = value
+    text = cfg.attn_layers
+    if text is None:
+        return fields
+    layers = []
+    for part in text.split(","):
+        part = part.strip()
+        # An empty --attn-layers "" means no attention layers.
+        if not part:
+            continue
+        if not part.isdigit():
+            raise TrainError(f"--attn-layers {text!r}: expected layer indices from 0, "
+                             "separated by commas, e.g. 3,7")
+        layers.append(int(part))
+    fields["attn_layers"] = tuple(layers)
+    return fields
+
+
 def num_params(config):
     """The parameters of a model of `config`, counted on the meta device: nothing is
     allocated."""
@@ -333,6 +380,16 @@ def resolve(cfg, init=None):
             raise TrainError(f"--init-from {cfg.init_from} is a model of its own shape "
                              f"({init}): --model, --vocab-size and --mimo-rank may not "
                              "change it")
+        # The attention layers and their shape are the source's too.
+        other_attention = []
+        for name, value in attention_fields(cfg).items():
+            if init.get(name) != value:
+                other_attention.append("--" + name.replace("_", "-"))
+        if other_attention:
+            layers = list(init.get("attn_layers", ()))
+            raise TrainError(f"--init-from {cfg.init_from} has attention in layers "
+                             f"{layers} with its own shape: {', '.join(other_attention)} "
+                             "may not change it; leave them out")
         if cfg.model is None:
             model = same[0] if same else "small"
 
@@ -373,6 +430,10 @@ def resolve(cfg, init=None):
                          f"--seq-len {seq_len}; use a multiple, e.g. {example}")
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise TrainError(f"--resume {cfg.resume!r}: expected auto, never or a step number")
+    # An impossible hybrid is refused here, before anything is read or written:
+    # ModelConfig raises a ValueError naming the flag.
+    if init is None:
+        dataclasses.replace(PRESETS[model], **attention_fields(cfg))
 
     device = pick_device(cfg.device)
     dtype = cfg.dtype
@@ -432,7 +493,7 @@ def check_memory(cfg, config):
     # FSDP gives each rank 1/world of the training state.
     shards = world if cfg.fsdp else 1
     fixed = ranks * training_state_bytes(config, cfg.optimizer) // shards
-    act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing)
+    act = ranks * activation_bytes(config, b * L, cfg.grad_checkpointing, L)
     if free is None or fixed + act <= free:
         return
 
@@ -443,7 +504,8 @@ def check_memory(cfg, config):
         for n in range(1, b + 1):
             if sequences % (n * world) != 0:
                 continue
-            if fixed + ranks * activation_bytes(config, n * L, recompute) <= free:
+            act_n = activation_bytes(config, n * L, recompute, L)
+            if fixed + ranks * act_n <= free:
                 best = n
         return best
 
@@ -755,6 +817,10 @@ def header(log, cfg, model, batches, val):
         shape += f", mimo rank {c.mimo_rank}"
     if c.reset_token is not None:
         shape += f", reset after token {c.reset_token}"
+    if c.attn_layers:
+        a = c.attn_shape
+        shape += (f", attention in layers {list(c.attn_layers)} ({a.heads} heads, "
+                  f"{a.kv_heads} KV heads of {a.head_dim})")
 
     gpu = ""
     if cfg.device == "cuda":
@@ -1115,7 +1181,8 @@ def setup(cfg, init, tmp, cleanup):
         config = ModelConfig(**init_fields)
     else:
         config = dataclasses.replace(PRESETS[cfg.model], vocab_size=vocab,
-                                     mimo_rank=cfg.mimo_rank or 1)
+                                     mimo_rank=cfg.mimo_rank or 1,
+                                     **attention_fields(cfg))
     if cfg.reset_at_eos:
         config = dataclasses.replace(config, reset_token=source.eos_id)
     # Before the weights take any memory.
