@@ -627,6 +627,64 @@ def gpu_train(child, deadline: float, out: dict):
                   f"{ready['ready']:.0f}"]])
 
 
+# bench.py gpu's prefill: (B, L) prompts of the 440m model, and the timed repetitions of each.
+PREFILL_SHAPES = [(1, 8192), (8, 2048)]
+PREFILL_REPS = 5
+# The seconds bench.py gpu keeps for the prefill, its compiles included.
+PREFILL_BUDGET_S = 30
+
+
+def gpu_model():
+    """A seeded 440m model on the GPU, for its prefill."""
+    torch.manual_seed(0)
+    return Mamba3LM(PRESETS["440m"]).cuda().eval()
+
+
+def prefill_times(lm, shapes: list, reps: int) -> dict:
+    """lm.prefill (a prompt through every layer from the cache's state, no gradient) on the
+    fused Triton forward and on the PyTorch chunked scan, in bf16 autocast: tokens/s for each
+    (B, L) in shapes, and how far apart the two paths' last logits are (max |a - b| / max |b|,
+    each from a fresh cache), as a table and as figures."""
+    device = lm.embed.weight.device
+    paths = ("torch", "triton")
+    rows = []
+    figures = {}
+    for B, L in shapes:
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, lm.config.vocab_size, (B, L), generator=g).to(device)
+
+        def prefill(impl, cache):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return lm.prefill(idx, cache, impl)
+
+        def contender(impl):
+            # Each path moves its own cache on, call after call.
+            cache = lm.init_cache(B)
+            return lambda: prefill(impl, cache)
+
+        # From fresh caches: the logits compared, and the kernels compiled and tuned.
+        logits = {}
+        for impl in paths:
+            logits[impl] = prefill(impl, lm.init_cache(B)).double()
+        apart = (logits["triton"] - logits["torch"]).abs().max()
+        apart = (apart / logits["torch"].abs().max()).item()
+        fns = {impl: contender(impl) for impl in paths}
+        t = time_interleaved(fns, reps)
+        speed = {impl: B * L / t[impl] for impl in paths}
+        speedup = speed["triton"] / speed["torch"]
+        figures[f"B{B} L{L}"] = {"torch_tok_per_s": speed["torch"],
+                                 "triton_tok_per_s": speed["triton"], "speedup": speedup,
+                                 "logits_apart": apart}
+        rows.append([f"{B} x {L}", f"{speed['torch']:,.0f}", f"{speed['triton']:,.0f}",
+                     f"{speedup:.2f}x", f"{apart:.1e}"])
+    cfg = lm.config
+    print_table(f"prefill (model.prefill from a cache, no gradient), {cfg.n_layer} layers of "
+                f"d_model {cfg.d_model}, bf16 autocast, medians of {reps}",
+                ["prompt B x L", "torch tokens/s", "triton tokens/s", "speed-up",
+                 "last logits apart"], rows)
+    return figures
+
+
 @app.command()
 def gpu(
     batch_size: int = typer.Option(8, min=1, help="B of the layer checked and timed."),
@@ -642,7 +700,8 @@ def gpu(
     """On a CUDA GPU, within five minutes of an H200: a 440m layer's output and gradients on the
     Triton path against the float32 torch path (bf16, bf16 with resets, fp32), its forward +
     backward time on both paths and against the HBM roofline, then steps of the 440m preset,
-    compiled (started first, to overlap the checks)."""
+    compiled (started first, to overlap the checks), then the 440m model's prefill tokens/s on
+    both paths."""
     t0 = time.monotonic()
     with D.cli_errors(ValueError):
         if not torch.cuda.is_available():
@@ -653,7 +712,8 @@ def gpu(
                              "(8 x 2048, one micro batch of the 440m recipe)")
     # first: its compilation overlaps the checks
     child = start_train_child(train_steps, total_batch_size // 16384) if train_steps else None
-    deadline = t0 + GPU_BUDGET_S - 15  # for the training run, leaving the time to report
+    # for the training run, leaving the time for the prefill and to report
+    deadline = t0 + GPU_BUDGET_S - 15 - PREFILL_BUDGET_S
     torch.set_float32_matmul_precision("highest")  # the fp32 reference in true fp32, no TF32
     mixer, u, dy, shape = gpu_layer(batch_size, seq_len)
     out = {"machine": machine(), "triton": K.triton.__version__, "shape": shape, "checks": {},
@@ -674,6 +734,9 @@ def gpu(
     if child:
         gpu_train(child, deadline, out)
         done("training run")
+    # The GPU is free again: prefill on both paths.
+    out["prefill"] = prefill_times(gpu_model(), PREFILL_SHAPES, PREFILL_REPS)
+    done("prefill")
     # the launch config each kernel's tuner chose in this process, by kernel and shape
     out["tuned"] = [dict(kernel=k[0], shape=dict(k[2]), options=v) for k, v in K.TUNED.items()]
     if json_path:

@@ -839,6 +839,17 @@ if _triton_fits():
         tl.store(ptr + 1, vo.to(ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _state_pairs(ptr, bh, p, j, P: tl.constexpr, N: tl.constexpr,
+                     ACC: tl.constexpr):
+        # Program bh's (P, N) state at ptr as its even and odd dims,
+        # (PP, NH) each, zeros where the tiles overhang.
+        ptrs = ptr + bh * P * N + p[:, None] * N + 2 * j[None, :]
+        mask = (p < P)[:, None] & (j < N // 2)[None, :]
+        even = tl.load(ptrs, mask=mask, other=0.0).to(ACC)
+        odd = tl.load(ptrs + 1, mask=mask, other=0.0).to(ACC)
+        return even, odd
+
+    @triton.jit
     def _qk(ptrs, valid, w_ptr, b_ptr, h, rank, j, cos, sin, eps,
             N: tl.constexpr, R: tl.constexpr, NH: tl.constexpr,
             ACC: tl.constexpr):
@@ -904,16 +915,26 @@ if _triton_fits():
     @triton.jit
     def _mixer_fwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr,
                    Cw_ptr, Bb_ptr, Cb_ptr, D_ptr, mx_ptr, mz_ptr, mo_ptr,
-                   out_ptr, so_b, so_l, states, phase_ptr, L, nc, A_floor,
-                   eps, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                   N: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
-                   R: tl.constexpr, PP: tl.constexpr, NH: tl.constexpr,
-                   DT: tl.constexpr, ACC: tl.constexpr,
-                   PREC: tl.constexpr, HAS_RESET: tl.constexpr):
+                   out_ptr, so_b, so_l, states, phase_ptr, S_in_ptr,
+                   phi_in_ptr, S_out_ptr, phi_out_ptr, k_out_ptr, L, nc,
+                   A_floor, eps, H: tl.constexpr, G: tl.constexpr,
+                   P: tl.constexpr, N: tl.constexpr, S: tl.constexpr,
+                   C: tl.constexpr, R: tl.constexpr, PP: tl.constexpr,
+                   NH: tl.constexpr, DT: tl.constexpr, ACC: tl.constexpr,
+                   PREC: tl.constexpr, HAS_RESET: tl.constexpr,
+                   HAS_STATE: tl.constexpr):
         """The mixer region forward, grid (B*H,), to out (B, L, H*P).
 
-        Saves the state entering each chunk in DT (`states`:
-        (B*H*nc*PP, 2NH), even dims then odd) and its phase (B*H, nc, S).
+        Without a state (training): starts from zeros and saves the state
+        entering each chunk in DT (`states`: (B*H*nc*PP, 2NH), even dims
+        then odd) and its phase (B*H, nc, S) for the backward.
+
+        With HAS_STATE (prefill, no backward): starts from S_in (B*H, P, N)
+        (the state entering the first chunk: the first token's beta term
+        already added) and the phases phi_in (B*H, S), saves nothing, and
+        writes the final state to S_out, phi_out and the last token's k's
+        to k_out (B*H, R, N). The state pointers are None without it, and
+        states and phase_ptr with it.
         """
         pg = _program(dt_bias_ptr, D_ptr, H, C, R, PP, NH, ACC)
         b, h, bh = pg.b, pg.h, pg.bh
@@ -928,6 +949,10 @@ if _triton_fits():
         Se = tl.zeros((PP, NH), ACC)
         So = tl.zeros((PP, NH), ACC)
         carry = tl.zeros((NH,), ACC)
+        if HAS_STATE:
+            Se, So = _state_pairs(S_in_ptr, bh, p, j, P, N, ACC)
+            carry = tl.load(phi_in_ptr + bh * S + j, mask=j < S, other=0.0)
+            carry = carry.to(ACC)
         for c in range(nc):
             chunk = _chunk_tokens(zx_ptr, s_b, s_l, reset_ptr, b, c, L, i,
                                   C, R, HAS_RESET)
@@ -935,7 +960,9 @@ if _triton_fits():
                           N, R, ACC)
             # The phases, and from them k and q (in DT: they only feed
             # dots).
-            tl.store(phase_ptr + (bh * nc + c) * S + j, carry, mask=j < S)
+            if not HAS_STATE:
+                tl.store(phase_ptr + (bh * nc + c) * S + j, carry,
+                         mask=j < S)
             _, Phi = _phase(chunk, col_ang, S, j, sc.dt, carry, ACC,
                             HAS_RESET)
             is_last = (i == C - 1)[:, None]
@@ -950,6 +977,13 @@ if _triton_fits():
             q_rows = chunk.rows + col_B + R * G * N
             Qe, Qo = _qk(q_rows, chunk.valid, Cw_ptr, Cb_ptr, h, rank, j,
                          cos, sin, eps, N, R, NH, ACC)[:2]
+            if HAS_STATE:
+                # The last token's k's (its R rows), which the next call's
+                # first beta term reads.
+                k_ptrs = k_out_ptr + ((bh * R + rank) * N)[:, None]
+                k_ptrs = k_ptrs + 2 * j[None, :]
+                k_mask = (chunk.t == L - 1)[:, None] & (j < N // 2)[None, :]
+                _pairs_store(k_ptrs, Ke, Ko, k_mask)
             Kwe = (Ke * sc.w[:, None]).to(DT)
             Kwo = (Ko * sc.w[:, None]).to(DT)
             Qe = Qe.to(DT)
@@ -967,9 +1001,10 @@ if _triton_fits():
                 # The rows' inputs x_r = x mimo_x[h, r].
                 X = X.to(ACC) * _load_mimo(mx_ptr, h, rank, p, P, R, ACC)
                 X = X.to(DT)
-            row = ((bh * nc + c) * PP).to(tl.int32)
-            states.store([row, 0], Se.to(DT))
-            states.store([row, NH], So.to(DT))
+            if not HAS_STATE:
+                row = ((bh * nc + c) * PP).to(tl.int32)
+                states.store([row, 0], Se.to(DT))
+                states.store([row, NH], So.to(DT))
             scores = _dot_t(Qe, Qo, Kwe, Kwo, DT, PREC)
             QS = _dot_t(Qe, Qo, Se.to(DT), So.to(DT), DT, PREC)
             own = tok[:, None] == tok[None, :]
@@ -993,6 +1028,13 @@ if _triton_fits():
                 ptr = out_row + h * P
                 out = out * _load_mimo(mo_ptr, h, rank, p, P, R, ACC)
                 _token_store(ptr, so_l, c, L, p, out, P, C, R, PP)
+        if HAS_STATE:
+            # The state after the last token (padding rows change
+            # nothing) and its phases.
+            ptrs = S_out_ptr + bh * P * N + p[:, None] * N + 2 * j[None, :]
+            mask = (p < P)[:, None] & (j < N // 2)[None, :]
+            _pairs_store(ptrs, Se, So, mask)
+            tl.store(phi_out_ptr + bh * S + j, carry, mask=j < S)
 
     @triton.jit
     def _mixer_bwd(zx_ptr, s_b, s_l, reset_ptr, dt_bias_ptr, Bw_ptr,
@@ -1570,9 +1612,12 @@ def _mixer_fwd_op(zxbcdt: Tensor, dt_bias: Tensor, B_norm_weight: Tensor,
                             B_bias, C_bias, D)
     with _on_device(run.zx):
         out, states, phase = _forward_outputs(run)
+        # No decoding state: its five pointers are None.
+        no_state = [None] * 5
         _tuned(_mixer_fwd, (run.B * run.H,), *inputs, out, out.stride(0),
-               out.stride(1), _halves(states, run.tiles), phase, run.L,
-               run.nc, A_floor, eps, **run.constexprs())
+               out.stride(1), _halves(states, run.tiles), phase, *no_state,
+               run.L, run.nc, A_floor, eps, **run.constexprs(),
+               HAS_STATE=False)
     return out, states, phase
 
 
@@ -1687,11 +1732,108 @@ _mixer_fwd_op.register_autograd(_mixer_grad,
                                 setup_context=_mixer_setup_context)
 
 
+def _state_outputs(run):
+    # out (B, L, H*P); the state after the last token: S (B, H, P, N) and
+    # Phi (B, H, S) in the accumulator dtype, k (B, H, R, N) in zxbcdt's.
+    B, H = run.B, run.H
+    out = run.zx.new_empty(B, run.L, H * run.P)
+    S = run.zx.new_empty(B, H, run.P, run.N, dtype=run.acc)
+    phi = run.zx.new_empty(B, H, run.S, dtype=run.acc)
+    k = run.zx.new_empty(B, H, run.R, run.N)
+    return out, S, phi, k
+
+
+# The forward from a decoding state (prefill): no autograd formula, since
+# nothing is saved for a backward; mixer_triton refuses it where a
+# gradient is wanted.
+@torch.library.custom_op("mamba3::mixer_fwd_state", mutates_args=())
+def _mixer_fwd_state_op(zxbcdt: Tensor, dt_bias: Tensor,
+                        B_norm_weight: Tensor, C_norm_weight: Tensor,
+                        B_bias: Tensor, C_bias: Tensor, D: Tensor,
+                        reset: Optional[Tensor], S_in: Tensor,
+                        phi_in: Tensor, headdim: int, ngroups: int,
+                        n_angles: int, chunk_size: int, A_floor: float,
+                        eps: float, mimo_x: Mimo = None, mimo_z: Mimo = None,
+                        mimo_o: Mimo = None
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch _mixer_fwd from S_in (B, H, P, N), the state entering the
+    first chunk, and the phases phi_in (B, H, S): (out (B, L, H*P),
+    S (B, H, P, N), Phi (B, H, S), k (B, H, R, N)) after the last token."""
+    sizes = (headdim, ngroups, n_angles, chunk_size)
+    run = _setup(zxbcdt, B_bias, sizes, (mimo_x, mimo_z, mimo_o), reset)
+    inputs = _kernel_inputs(run, dt_bias, B_norm_weight, C_norm_weight,
+                            B_bias, C_bias, D)
+    S_in = S_in.to(run.acc).contiguous()
+    phi_in = phi_in.to(run.acc).contiguous()
+    with _on_device(run.zx):
+        out, S, phi, k = _state_outputs(run)
+        # Nothing saved: no states, no phases.
+        _tuned(_mixer_fwd, (run.B * run.H,), *inputs, out, out.stride(0),
+               out.stride(1), None, None, S_in, phi_in, S, phi, k, run.L,
+               run.nc, A_floor, eps, **run.constexprs(), HAS_STATE=True)
+    return out, S, phi, k
+
+
+@_mixer_fwd_state_op.register_fake
+def _(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
+      reset, S_in, phi_in, headdim, ngroups, n_angles, chunk_size, A_floor,
+      eps, mimo_x=None, mimo_z=None, mimo_o=None):
+    sizes = (headdim, ngroups, n_angles, chunk_size)
+    run = _setup(zxbcdt, B_bias, sizes, (mimo_x, mimo_z, mimo_o), reset)
+    return _state_outputs(run)
+
+
+def _needs_grad(tensors):
+    # Whether autograd would record a graph through any of the tensors.
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _entering_state(zxbcdt, dt_bias, state, headdim, ngroups, n_angles,
+                    mimo_x, N, R):
+    """A decoding state (mixer_torch's) as the fused forward starts from
+    it: (S_in (B, H, P, N), Phi (B, H, S)) in the accumulator dtype.
+
+    S_in = S + beta_0 sum_r x_r^T k_r, with x_r, k_r the previous token's
+    (its x lifted by mimo_x) and beta_0 = (1 - lam_0) dt_0 the first
+    token's: the state ssd_chunked carries into its first chunk. A reset
+    at t = 0 clears it in the kernel, as it clears the phases.
+    """
+    phi, S, k_prev, x_prev = state
+    H = dt_bias.shape[0]
+    P = headdim
+    B = zxbcdt.shape[0]
+    k_shape = (B, H, N)
+    if R > 1:
+        k_shape = (B, H, R, N)
+    shapes = [tuple(t.shape) for t in state]
+    wanted = [(B, H, n_angles), (B, H, P, N), k_shape, (B, H, P)]
+    if shapes != wanted:
+        raise ValueError(
+            f"mixer: a decoding state is (Phi, S, k_prev, x_prev) of "
+            f"shapes {wanted} for this zxbcdt (model.init_cache makes "
+            f"one); got {shapes}")
+    acc = _compute_dtype(zxbcdt)
+    sizes = split_sizes(H, P, ngroups, N, n_angles, R)
+    parts = zxbcdt[:, 0].split(sizes, -1)
+    # The first token's dt and lam, as mixer_torch computes them: (B, H).
+    dt = F.softplus(_f32(parts[4]) + dt_bias)
+    lam = torch.sigmoid(_f32(parts[6]))
+    beta = ((1 - lam) * dt).to(acc)
+    # x_r (B, H, R, P), k_r (B, H, R, N)
+    x_r = _lift(x_prev[:, :, None], mimo_x).to(acc)
+    k_r = k_prev.view(B, H, R, N).to(acc)
+    S_in = S.to(acc) + beta[..., None, None] * (x_r.mT @ k_r)
+    return S_in, phi.to(acc)
+
+
 def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
                  C_bias, D, *, headdim, ngroups, n_angles, chunk_size=64,
-                 A_floor=1e-4, eps=1e-5, reset=None, mimo=None):
-    """mixer_torch's out (without a decoding state) from the custom op
-    mamba3::mixer_fwd."""
+                 A_floor=1e-4, eps=1e-5, reset=None, mimo=None, state=None):
+    """mixer_torch's out from the custom op mamba3::mixer_fwd; with a
+    decoding state (mixer_torch's), (out, state after the last token) from
+    mamba3::mixer_fwd_state, which runs without gradients (prefill)."""
     torch_path = "use impl='torch' (MAMBA3_IMPL=torch)"
     if not _triton_fits():
         if triton:
@@ -1711,11 +1853,33 @@ def mixer_triton(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias,
             f"Triton's interpreter: set TRITON_INTERPRET=1 before "
             f"importing triton, or {torch_path}")
     mimo_vectors = mimo or ()
-    outputs = _mixer_fwd_op(zxbcdt, dt_bias, B_norm_weight, C_norm_weight,
-                            B_bias, C_bias, D, reset, headdim, ngroups,
-                            n_angles, chunk_size, float(A_floor),
-                            float(eps), *mimo_vectors)
-    return outputs[0]
+    params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
+    if state is None:
+        outputs = _mixer_fwd_op(zxbcdt, *params, reset, headdim, ngroups,
+                                n_angles, chunk_size, float(A_floor),
+                                float(eps), *mimo_vectors)
+        return outputs[0]
+    if _needs_grad([zxbcdt, *params, *mimo_vectors, *state]):
+        raise RuntimeError(
+            f"mixer: impl='triton' from a decoding state runs forward "
+            f"only (prefill): call it under torch.no_grad(), or "
+            f"{torch_path} for gradients")
+    N = B_bias.shape[-1]
+    R = 1
+    mimo_x = None
+    if mimo is not None:
+        R = mimo[0].shape[1]
+        mimo_x = mimo[0]
+    S_in, phi_in = _entering_state(zxbcdt, dt_bias, state, headdim,
+                                   ngroups, n_angles, mimo_x, N, R)
+    out, S, phi, k_last = _mixer_fwd_state_op(
+        zxbcdt, *params, reset, S_in, phi_in, headdim, ngroups, n_angles,
+        chunk_size, float(A_floor), float(eps), *mimo_vectors)
+    # The last token's x (B, H, P): the cache holds x, not its R inputs.
+    H = dt_bias.shape[0]
+    x_cols = zxbcdt[:, -1, H * headdim:2 * H * headdim]
+    x_last = x_cols.reshape(-1, H, headdim).clone()
+    return out, (phi, S, k_last.view_as(state[2]), x_last)
 
 
 # -----------------------------------------------------------------------------
@@ -1797,10 +1961,11 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
     (out (B, L, H*P), state).
 
     impl: "recurrent" or "torch" (mixer_torch), "triton" (mixer_triton;
-    with a decoding state mixer_torch's chunked scan), or "auto"
-    (MAMBA3_IMPL, else Triton for CUDA tensors when it imports). Where the
-    fused kernels cannot run (fused_refusal), "auto" warns and takes the
-    PyTorch path, "triton" refuses.
+    with a decoding state, only where no gradient is wanted, else
+    mixer_torch's chunked scan), or "auto" (MAMBA3_IMPL, else Triton for
+    CUDA tensors when it imports). Where the fused kernels cannot run
+    (fused_refusal), "auto" warns and takes the PyTorch path, "triton"
+    refuses.
     """
     asked = impl
     if impl == "auto":
@@ -1817,10 +1982,17 @@ def mixer(zxbcdt, dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D,
     params = (dt_bias, B_norm_weight, C_norm_weight, B_bias, C_bias, D)
     kw = dict(headdim=headdim, ngroups=ngroups, n_angles=n_angles,
               chunk_size=chunk_size, A_floor=A_floor, eps=eps, reset=reset)
-    if impl == "triton" and state is None and not why:
-        out = mixer_triton(zxbcdt, *params, mimo=mimo, **kw)
-        return out, None
-    # With a decoding state, or where Triton cannot run, the PyTorch path.
+    if impl == "triton" and not why:
+        if state is None:
+            out = mixer_triton(zxbcdt, *params, mimo=mimo, **kw)
+            return out, None
+        # A decoding state without gradients (prefill, a rolling
+        # evaluation): the fused forward from that state.
+        tensors = [zxbcdt, *params, *(mimo or ()), *state]
+        if not _needs_grad(tensors):
+            return mixer_triton(zxbcdt, *params, mimo=mimo, state=state,
+                                **kw)
+    # A state with gradients, or where Triton cannot run: the PyTorch path.
     scan = impl
     if impl == "triton":
         scan = "torch"

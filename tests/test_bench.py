@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import bench
 import train
-from model import PRESETS, Mamba3Mixer
+from model import PRESETS, Mamba3LM, Mamba3Mixer
 
 runner = CliRunner()
 
@@ -153,6 +153,20 @@ def test_the_gpu_layer_timing_takes_another_layer_as_a_contender():
                                                              "region_bytes", "hbm_bytes_per_s"}
 
 
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_the_prefill_timing_runs_both_paths_through_the_interpreter():
+    # bench.py gpu's prefill table on CPU tensors: a one-layer model of two heads (the interpreter
+    # runs a program per head), both paths timed, their last logits close (bf16 autocast)
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layer=1, d_model=16)
+    torch.manual_seed(0)
+    lm = Mamba3LM(cfg).eval()
+    figures = bench.prefill_times(lm, [(1, 24)], reps=1)
+    row = figures["B1 L24"]
+    assert row["torch_tok_per_s"] > 0 and row["triton_tok_per_s"] > 0
+    assert row["logits_apart"] <= 3e-2
+
+
 CHILD = """
 import json, sys, time
 print("noise", flush=True)
@@ -210,6 +224,10 @@ def test_the_gpu_check_writes_every_figure_as_json(monkeypatch, tmp_path):
                         lambda *a, **kw: calls.append("times") or {"triton": {"layer_ms": 2.0}})
     monkeypatch.setattr(bench, "start_train_child",
                         lambda steps, accum: calls.append(("child", steps, accum)) or "child")
+    monkeypatch.setattr(bench, "gpu_model", lambda: "model")
+    monkeypatch.setattr(bench, "prefill_times",
+                        lambda lm, shapes, reps: calls.append(("prefill", lm))
+                        or {"B1 L8192": {"speedup": 3.0}})
     said = iter([{"ready": 60.0}, {"steps": 10, "tokens_per_step": 16384, "tok_per_s": 1e5,
                                    "ms_per_step": 160, "mfu": 0.3, "peak_memory_gb": 40.0}])
     monkeypatch.setattr(bench, "child_says",
@@ -217,7 +235,7 @@ def test_the_gpu_check_writes_every_figure_as_json(monkeypatch, tmp_path):
     result = invoke("gpu", "--json", tmp_path / "gpu.json", "--total-batch-size", 32768)
     assert result.exit_code == 1, result.output
     assert calls == [("child", 10, 2), ("bf16", None), ("bf16", "resets"), ("fp32", None),
-                     ("says", False), "times", ("says", True)]
+                     ("says", False), "times", ("says", True), ("prefill", "model")]
     figures = __import__("json").loads((tmp_path / "gpu.json").read_text())
     assert figures["failed"] == ["bf16 with resets"] and "FAILED: bf16 with resets" in result.output
     assert figures["checks"]["bf16"] == [{"tensor": "y", "shape": [8, 2048, 1024],
@@ -225,9 +243,11 @@ def test_the_gpu_check_writes_every_figure_as_json(monkeypatch, tmp_path):
                                           "triton_vs_torch": 1e-3, "tolerance": 3e-2,
                                           "passed": True}]
     assert (figures["train"]["tok_per_s"] == 1e5
-            and figures["layer_times"] == {"triton": {"layer_ms": 2.0}})
+            and figures["layer_times"] == {"triton": {"layer_ms": 2.0}}
+            and figures["prefill"] == {"B1 L8192": {"speedup": 3.0}})
     assert list(figures["elapsed_s"]) == ["check bf16", "check bf16 with resets", "check fp32",
-                                          "training run compiled", "layer timings", "training run"]
+                                          "training run compiled", "layer timings", "training run",
+                                          "prefill"]
 
 
 def test_the_gpu_check_refuses_a_batch_that_is_not_whole_micro_batches(monkeypatch):

@@ -299,6 +299,32 @@ def test_fused_mimo_matches_the_recurrence():
 
 
 @pytest.mark.interpreter
+def test_the_fused_mimo_forward_from_a_state_matches_the_recurrence():
+    # float64, rank 2, from a state away from zeros: one call, and the same tokens in two calls
+    # (the second from the state the first left) give the recurrence's out and final state. Row 0
+    # has resets (one at t = 0: its incoming state is dropped), row 1 none
+    zx, params, reset, sizes = fused_case(2, 19, 1, 16, 1, 16, 4, 8, 2, True)
+    g = torch.Generator().manual_seed(5)
+    state = (6 * torch.rand(2, 1, 4, generator=g, dtype=F64),
+             torch.randn(2, 1, 16, 16, generator=g, dtype=F64),
+             torch.randn(2, 1, 2, 16, generator=g, dtype=F64),
+             torch.randn(2, 1, 16, generator=g, dtype=F64))
+    kw = dict(sizes, mimo=tuple(params[6:]))
+    ref, ref_state = kernels.mixer_torch(zx, *params[:6], **kw, reset=reset, state=state,
+                                         impl="recurrent")
+    with torch.no_grad():
+        one = kernels.mixer_triton(zx, *params[:6], **kw, reset=reset, state=state)
+        out1, state1 = kernels.mixer_triton(zx[:, :7], *params[:6], **kw, reset=reset[:, :7],
+                                            state=state)
+        out2, state2 = kernels.mixer_triton(zx[:, 7:], *params[:6], **kw, reset=reset[:, 7:],
+                                            state=state1)
+    for out, final in (one, (torch.cat([out1, out2], 1), state2)):
+        for a, r in zip([out, *final], [ref, *ref_state]):
+            err = (a - r).abs().max() / r.abs().max()
+            assert a.dtype == r.dtype and a.shape == r.shape and err <= 1e-10, err.item()
+
+
+@pytest.mark.interpreter
 def test_fused_mimo_in_float32_and_bf16():
     # zxbcdt rounded to the dtype, parameters float32 (as under autocast), against float64 on the
     # same rounded input: the kernels' own rounding (tf32 products for float32, in chunks of 32
@@ -332,6 +358,35 @@ def test_the_model_on_the_fused_path_matches_the_torch_path(monkeypatch, R):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("R", [1, 2])  # SISO and MIMO models
+def test_prefill_on_the_fused_path_matches_the_forward(monkeypatch, R):
+    # model.prefill takes the fused forward from the cache's state (no gradient): a prompt in two
+    # parts, then a recurrent step, give the forward's logits, and the cache the torch path's
+    model = tiny(R, reset_token=3, n_layer=1, d_model=16).eval()
+    idx = torch.randint(4, 100, (2, 12))
+    idx[0, [0, 6]] = 3
+    fused = []
+    mixer_triton = kernels.mixer_triton
+
+    def counted(*args, **kw):
+        fused.append(kw.get("state") is not None)
+        return mixer_triton(*args, **kw)
+    monkeypatch.setattr(kernels, "mixer_triton", counted)
+    with torch.no_grad():
+        logits, _ = model(idx)
+        caches = {}
+        for impl in ("torch", "triton"):
+            monkeypatch.setenv("MAMBA3_IMPL", impl)
+            cache = caches[impl] = model.init_cache(2)
+            model.prefill(idx[:, :5], cache)
+            assert (model.prefill(idx[:, 5:11], cache) - logits[:, 10]).abs().max() <= 1e-10
+            assert (model.step(idx[:, 11], cache) - logits[:, 11]).abs().max() <= 1e-10
+    assert fused == [True, True]  # the two prefills from a state (the step is recurrent)
+    for name, value in caches["triton"][0].items():
+        assert (value - caches["torch"][0][name]).abs().max() <= 1e-10, name
+
+
+@pytest.mark.interpreter
 def test_the_fused_mimo_ops_pass_opcheck():
     # one head: the ops' registration is the point (the interpreter runs a program per head)
     zx, params, reset, sizes = fused_case(1, 11, 1, 16, 1, 16, 4, 8, 2, True)
@@ -358,7 +413,7 @@ def test_dispatch_sends_mimo_to_the_fused_kernels(monkeypatch):
     mixer.region(zx)
     mixer.region(zx, impl="triton")
     assert calls == [(8, 2, 16)] * 2
-    # a decoding state still takes the PyTorch path
+    # a decoding state with gradients wanted (the parameters') takes the PyTorch path
     assert mixer.region(zx, model.init_cache(1)[0], impl="triton").shape == (1, 6, 128)
     assert len(calls) == 2
 

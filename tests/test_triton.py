@@ -103,6 +103,61 @@ def test_a_small_mixer_case_matches_the_recurrence():
         assert a.dtype == r.dtype and rel_err(a, r) <= 1e-10, (name, rel_err(a, r))
 
 
+# --- the fused forward from a decoding state (prefill), against the recurrence ---
+
+
+def decoding_state(B, H, P, N, S, R=1, seed=5):
+    """A decoding state away from zeros, as mixer_torch takes it: phases Phi (B, H, S), S
+    (B, H, P, N), the last token's k (B, H, N) (or its R k's (B, H, R, N)) and x (B, H, P)."""
+    g = torch.Generator().manual_seed(seed)
+    k_shape = (B, H, N) if R == 1 else (B, H, R, N)
+    return (6 * torch.rand(B, H, S, generator=g, dtype=F64), torch.randn(B, H, P, N, generator=g,
+            dtype=F64), torch.randn(k_shape, generator=g, dtype=F64),
+            torch.randn(B, H, P, generator=g, dtype=F64))
+
+
+def assert_same_run(got, ref, tol=1e-10):
+    """(out, state) against (out, state): the same dtypes and shapes, values to tol."""
+    names = ["out", "phi", "S", "k_prev", "x_prev"]
+    for name, a, r in zip(names, [got[0], *got[1]], [ref[0], *ref[1]]):
+        assert a.dtype == r.dtype and a.shape == r.shape, (name, a.dtype, r.dtype, a.shape, r.shape)
+        assert rel_err(a, r) <= tol, (name, rel_err(a, r))
+
+
+@interpreter
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_the_fused_forward_from_a_state_matches_the_recurrence(with_resets):
+    # SISO, float64: out and the state after the last token from a state away from zeros. With
+    # resets, row 0 has one at t = 0 (the state it came with is dropped) and inside the chunks; row
+    # 1 has none (its state reaches every token)
+    zx, params, reset, sizes = mixer_case(2, 21, 1, 16, 1, 16, 4, 16, with_resets)
+    state = decoding_state(2, 1, 16, 16, 4)
+    with torch.no_grad():
+        got = kernels.mixer_triton(zx, *params, **sizes, reset=reset, state=state)
+    ref = kernels.mixer_torch(zx, *params, **sizes, reset=reset, state=state, impl="recurrent")
+    assert_same_run(got, ref)
+
+
+@interpreter
+@pytest.mark.smoke
+def test_a_state_carried_over_two_fused_calls_is_one_call():
+    # the first 9 tokens, then the other 12 from the state they left: one call's out and state
+    # (float64; a reset in each part and one at the second call's first token)
+    zx, params, _, sizes = mixer_case(1, 21, 1, 16, 1, 16, 4, 16, False)
+    reset = torch.zeros(1, 21, dtype=torch.bool)
+    reset[0, [4, 9, 15]] = True
+    state = decoding_state(1, 1, 16, 16, 4)
+    with torch.no_grad():
+        out1, state1 = kernels.mixer_triton(zx[:, :9], *params, **sizes, reset=reset[:, :9],
+                                            state=state)
+        out2, state2 = kernels.mixer_triton(zx[:, 9:], *params, **sizes, reset=reset[:, 9:],
+                                            state=state1)
+        one = kernels.mixer_triton(zx, *params, **sizes, reset=reset, state=state)
+    assert_same_run((torch.cat([out1, out2], 1), state2), one)
+    ref = kernels.mixer_torch(zx, *params, **sizes, reset=reset, state=state, impl="recurrent")
+    assert_same_run(one, ref)
+
+
 @pytest.fixture
 def exact_float32(monkeypatch):
     """float32 products in true float32 ("ieee", FMA units on a GPU) instead of tf32: the algebra at
@@ -246,6 +301,13 @@ def test_mixer_bad_input_is_a_clear_error():
         kernels.mixer_triton(zx, *params, **sizes, reset=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="float16, bfloat16"):
         kernels.mixer_triton(zx.to(torch.int32), *params, **sizes)
+    # a decoding state of the wrong shapes; one that would need a gradient (no backward from a state)
+    state = decoding_state(1, 2, 16, 16, 4)
+    with pytest.raises(ValueError, match=r"decoding state is \(Phi, S, k_prev, x_prev\).*init_cache"):
+        kernels.mixer_triton(zx, *params, **sizes, state=state[:3] + (state[3][:, :1],))
+    with pytest.raises(RuntimeError, match=r"forward only \(prefill\).*torch.no_grad\(\).*"
+                                           "MAMBA3_IMPL=torch"):
+        kernels.mixer_triton(zx.requires_grad_(), *params, **sizes, state=state)
     for N, S in ((8, 5), (17, 4)):  # more angles than pairs of state dims; an odd d_state
         zx, params, _, sizes = mixer_case(1, 8, 2, 16, 1, N, S, 16, False)
         with pytest.raises(ValueError, match="d_state even and n_angles <= d_state / 2"):
@@ -255,8 +317,14 @@ def test_mixer_bad_input_is_a_clear_error():
 def test_mixer_dispatch(monkeypatch):
     zx, params, _, sizes = mixer_case(1, 8, 2, 16, 1, 16, 4, 16, False)
     calls = []
-    monkeypatch.setattr(kernels, "mixer_triton",
-                        lambda *a, **k: calls.append("triton") or (zx[..., :32], None))
+
+    def fused(*args, state=None, **kw):
+        if state is None:
+            calls.append("triton")
+            return zx[..., :32]
+        calls.append("triton from a state")
+        return zx[..., :32], state
+    monkeypatch.setattr(kernels, "mixer_triton", fused)
     monkeypatch.delenv("MAMBA3_IMPL", raising=False)
     out, state = kernels.mixer(zx, *params, **sizes)  # CPU tensors: the torch twin
     assert calls == [] and state is None and out.shape == (1, 8, 32)
@@ -265,9 +333,13 @@ def test_mixer_dispatch(monkeypatch):
     assert calls == ["triton"]
     phi, S = torch.zeros(1, 2, 4, dtype=F64), torch.zeros(1, 2, 16, 16, dtype=F64)
     cache = (phi, S, torch.zeros(1, 2, 16, dtype=F64), torch.zeros(1, 2, 16, dtype=F64))
-    # a decoding state: the twin with the chunked scan (ssd itself would refuse impl="triton")
-    _, state = kernels.mixer(zx, *params, **sizes, state=cache)
-    assert calls == ["triton"] and state[1].shape == S.shape
+    # a decoding state and no gradient wanted (prefill): the fused forward from that state
+    kernels.mixer(zx, *params, **sizes, state=cache)
+    assert calls == ["triton", "triton from a state"]
+    # with a gradient wanted: the twin with the chunked scan (ssd itself would refuse
+    # impl="triton"), since the fused forward from a state has no backward
+    _, state = kernels.mixer(zx.clone().requires_grad_(), *params, **sizes, state=cache)
+    assert len(calls) == 2 and state[1].shape == S.shape
 
 
 GPUS = {"H200": types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0,
@@ -377,7 +449,10 @@ for name, dtype, H, G, reset, R in json.loads(sys.argv[1]):
     ints = dict(L=L, nc=nc, s_b=L * W, s_l=W, so_b=L * H * P, so_l=H * P, sd_b=L * H * P,
                 sd_l=H * P, sg_b=L * W, sg_l=W)
     mixer = dict(tiles, H=H, G=G, P=P, N=N, S=S, HAS_RESET=reset)
-    launches = [(K._mixer_fwd, mixer), (K._mixer_bwd, mixer)]
+    # the training forward: no decoding state, its five arguments None (constexprs at launch)
+    no_state = {name: None for name in ("S_in_ptr", "phi_in_ptr", "S_out_ptr", "phi_out_ptr",
+                                        "k_out_ptr")}
+    launches = [(K._mixer_fwd, dict(mixer, HAS_STATE=False, **no_state)), (K._mixer_bwd, mixer)]
     if G > 1:
         launches += [(K._sum_heads,
                       dict(H=H, G=G, P=P, N=N, S=S, TB=32, NB=N, SB=S, ACC=tl.float32))]
@@ -388,7 +463,7 @@ for name, dtype, H, G, reset, R in json.loads(sys.argv[1]):
     for fn, constexprs, tuned, options in launches:
         sig, attrs = {}, {}
         for i, p in enumerate(fn.params):
-            if p.is_constexpr:
+            if p.is_constexpr or p.name in constexprs:
                 sig[p.name] = "constexpr"
                 continue
             if p.name == "states":
