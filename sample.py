@@ -43,8 +43,8 @@ def main(
                                  "(its --out-dir)."),
     step: Optional[int] = typer.Option(None, min=0, help="Checkpoint step (default: the "
                                        "newest that verifies)."),
-    prompt: str = typer.Option("", help="Text to continue (default: start a new document "
-                               "after end-of-text)."),
+    prompt: str = typer.Option("", help="Text that begins each sample, a new document "
+                               "(after end-of-text, as in training)."),
     max_new_tokens: int = typer.Option(200, min=1, help="Tokens to generate per sample."),
     temperature: float = typer.Option(0.8, min=0, help="Softmax temperature; 0 is greedy."),
     top_k: Optional[int] = typer.Option(None, min=1, help="Sample among the K most likely "
@@ -72,11 +72,9 @@ def main(
         # A model wider than its tokenizer (train.py --vocab-size) must not sample ids that
         # have no text.
         model.config.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
-        # Without a prompt, a new document, which starts after an end-of-text token.
-        if prompt:
-            prompt_ids = tokenizer.encode(prompt)
-        else:
-            prompt_ids = [tokenizer.eos_id]
+        # A sample is a new document, which in training always followed an end-of-text
+        # token; the prompt, if any, is its beginning. eval.py starts its contexts alike.
+        prompt_ids = [tokenizer.eos_id] + tokenizer.encode(prompt)
         idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         # One generator for all the samples, so that a --seed gives the same ones every time.
         generator = torch.Generator(device=device).manual_seed(seed)

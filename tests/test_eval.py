@@ -199,6 +199,25 @@ def invoke(*args):
     return CliRunner().invoke(eval_py.app, [str(a) for a in args])
 
 
+def test_generate_until_equals_sample_py_greedy(tmp_path):
+    # Both start the context as a new document, after an end-of-text token.
+    import sample
+    import data
+
+    make_run(tmp_path / "run")
+    prompt = "def f(x):"
+    result = CliRunner().invoke(sample.app, ["--out-dir", str(tmp_path / "run"), "--prompt",
+                                             prompt, "--temperature", "0",
+                                             "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    model, meta, _ = official.load_model(tmp_path / "run")
+    tok = data.load_tokenizer(meta["tokenizer"], tmp_path / "run")
+    harness = eval_py.Mamba3Harness(model, tok)
+    (text,) = harness.generate_until([request("generate_until", prompt,
+                                              {"until": [], "max_gen_toks": 12})])
+    assert result.output == prompt + text + "\n"
+
+
 def test_a_run_and_its_export_score_the_same(tmp_path, monkeypatch):
     # data_files in the task YAMLs are relative to the repository root.
     monkeypatch.chdir(ROOT)

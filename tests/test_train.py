@@ -398,7 +398,9 @@ def test_sample_greedy_equals_generate(corpus, tmp_path):
     model, meta, step = official.load_model(out)
     tokenizer = data.load_tokenizer(meta["tokenizer"], out)
     assert step == 20
-    ids = model.generate(torch.tensor([tokenizer.encode("def ")]), 40, top_k=1)[0, 4:].tolist()
+    # The prompt starts a document: after an end-of-text token, as in training.
+    prompt = [tokenizer.eos_id] + tokenizer.encode("def ")
+    ids = model.generate(torch.tensor([prompt]), 40, top_k=1)[0, 5:].tolist()
     if tokenizer.eos_id in ids:
         ids = ids[: ids.index(tokenizer.eos_id)]
     assert result.output == "def " + tokenizer.decode(ids) + "\n"
