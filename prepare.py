@@ -904,8 +904,12 @@ def info_main(directory: Directory):
     with cli_errors(DataError):
         m, sample = info(directory)
     for name, s in m["splits"].items():
-        print(f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in "
-              f"{len(s['shards'])} shards, max token id {s['max_token_id']}")
+        line = (f"{name}: {s['tokens']:,} tokens, {s['documents']:,} documents in "
+                f"{len(s['shards'])} shards, max token id {s['max_token_id']}")
+        # Manifests from before the byte counts have none.
+        if "bytes" in s:
+            line += f", {s['bytes']:,} bytes of text"
+        print(line)
     print(f"tokenizer {m['tokenizer']}, vocab_size {m['vocab_size']:,}, eos_id "
           f"{m['eos_id']}, dtype {m['dtype']}")
     print(f"stats {m.get('stats', {})}")

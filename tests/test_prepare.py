@@ -445,6 +445,13 @@ def test_info_decodes_the_first_training_document(tmp_path):
     manifest, sample = prepare.info(tmp_path / "out", sample_tokens=10_000)
     assert manifest["splits"]["val"]["tokens"] == 0
     assert sample == docs[0] + "<|endoftext|>"
+    # The command line says each split's bytes of text, the count bits per byte divide by.
+    r = subprocess.run([sys.executable, str(ROOT / "prepare.py"), "info", str(tmp_path / "out")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    train_bytes = manifest["splits"]["train"]["bytes"]
+    assert train_bytes == sum(len(d.encode()) for d in docs)
+    assert f"{train_bytes:,} bytes of text" in r.stdout
 
 
 # -----------------------------------------------------------------------------
