@@ -507,6 +507,12 @@ def run_tasks(harness, names, manager, num_fewshot, limit):
                         "(datasets caches it), or give the task as a YAML over local files "
                         "(dataset_path: json, dataset_kwargs: data_files) in a directory "
                         "named by --include DIR") from None
+    except FileNotFoundError as e:
+        # A local task's data files: lm-eval hands relative paths to the datasets library,
+        # which reads them from the working directory, not from the YAML's.
+        raise EvalError(f"{', '.join(names)}: a data file of the task is missing ({e}); "
+                        "relative data_files in a task YAML are read from the current "
+                        "directory: run from there, or write absolute paths") from None
 
 
 # -----------------------------------------------------------------------------

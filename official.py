@@ -752,8 +752,8 @@ def export_main(
     names = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"exported {run_dir} step {marker['step']} to {out}: {names}\n"
           f"  load      {load}\n"
-          f"  evaluate  {command}\n"
-          f"  or        {eval_command(out)}\n"
+          f"  evaluate  {eval_command(out)}\n"
+          f"  or        {command}\n"
           f"  (loading it and lm_eval --model mamba_ssm need {MAMBA_SSM_NEEDS})")
     for note in notes:
         typer.echo(f"warning: {note}", err=True)

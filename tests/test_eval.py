@@ -301,6 +301,13 @@ def refusal_args(case, tmp):
         return [tmp / "bare", *good], "--tokenizer"
     if case == "limit 0":
         return [run, *good, "--limit", 0], "--limit 0"
+    if case == "a task's data file missing":
+        (tmp / "local").mkdir()
+        yaml = (Path(TASKS) / "choice.yaml").read_text()
+        (tmp / "local" / "choice.yaml").write_text(yaml.replace("tiny_choice", "moved_choice"))
+        # Run from elsewhere, the task's relative data_files point nowhere.
+        return [run, "--tasks", "moved_choice", "--include", tmp / "local",
+                "--out", tmp / "r.json"], "relative data_files"
     if case == "out in a missing directory":
         return [run, "--tasks", "tiny_choice", "--include", TASKS,
                 "--out", tmp / "absent" / "r.json"], "does not exist"
@@ -308,13 +315,16 @@ def refusal_args(case, tmp):
 
 
 REFUSALS = ["missing source", "neither run nor model", "unknown task", "download offline",
-            "unknown tokenizer", "no tokenizer known", "limit 0", "out in a missing directory"]
+            "unknown tokenizer", "no tokenizer known", "limit 0", "out in a missing directory",
+            "a task's data file missing"]
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.smoke) if c == "limit 0"
                                   else c for c in REFUSALS])
 def test_refusals(case, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
+    if case == "a task's data file missing":
+        monkeypatch.chdir(tmp_path)
     make_run(tmp_path / "run")
     args, says = refusal_args(case, tmp_path)
     before = files_under(tmp_path)
