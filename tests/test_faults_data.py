@@ -61,6 +61,10 @@ def big_jsonl(tmp_path_factory):
     return path
 
 
+def default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def session_processes(sid):
     """The processes still alive in session `sid` (the command and its workers)."""
     alive = []
@@ -85,8 +89,10 @@ def test_ctrl_c_and_sigterm_stop_prepare_and_its_workers(tmp_path, big_jsonl, si
     out, before = prepared(tmp_path)
     cmd = PREPARE + [str(big_jsonl), "--out-dir", str(out), "--tokenizer", "byte", "--workers",
                      "2", "--shard-tokens", "20000"]
+    # Its own group, as a shell's job, with Ctrl-C's default action: a test run as a
+    # background job (`pytest &` in a script) has SIGINT ignored, which Python then keeps.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group, as a shell's job
+                            start_new_session=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / ".out.stage" / "train_00002.bin").exists():  # mid-run
