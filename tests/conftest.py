@@ -2,6 +2,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # Triton kernels are tested on CPU tensors through Triton's interpreter. The variable must be set
 # before triton is first imported, which is why it lives here and not in a fixture.
@@ -48,6 +49,34 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def sigterm_in_step(monkeypatch):
+    """stop(step) makes train.py's next in-process run get SIGTERM in the first of the two
+    micro-steps of `step` (steps count from 0): it finishes that step, saves step + 1 and
+    exits 0. resume() puts the real micro_step back."""
+    import signal
+
+    import train
+
+    real = train.micro_step
+
+    def stop(step):
+        calls = []
+
+        def interrupted(model, x, y, autocast):
+            calls.append(1)
+            if len(calls) == 2 * step + 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(model, x, y, autocast)
+
+        monkeypatch.setattr(train, "micro_step", interrupted)
+
+    def resume():
+        monkeypatch.setattr(train, "micro_step", real)
+
+    return SimpleNamespace(stop=stop, resume=resume)
 
 
 _passed = 0

@@ -1,8 +1,6 @@
 """The whole path a new user takes, once, at tiny shapes: prepare -> train -> SIGTERM -> resume
 (bit-identical to a run that never stopped) -> sample -> export -> train --init-from the export."""
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +31,7 @@ def invoke(app, args, expect=0):
 
 
 @pytest.mark.smoke
-def test_prepare_train_stop_resume_sample_export_init_from(tmp_path, monkeypatch):
+def test_prepare_train_stop_resume_sample_export_init_from(tmp_path, sigterm_in_step):
     # A small corpus of Python files, prepared through prepare.py's real command line.
     src = tmp_path / "src"
     src.mkdir()
@@ -50,20 +48,11 @@ def test_prepare_train_stop_resume_sample_export_init_from(tmp_path, monkeypatch
 
     # The second run gets SIGTERM during step 4 (steps count from 0): it finishes that step,
     # saves step 5 and exits 0; started again, it resumes from step 5.
-    real = train.micro_step
-    calls = []
-
-    def interrupted(model, x, y, autocast):
-        calls.append(1)
-        if len(calls) == 2 * 4 + 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(model, x, y, autocast)
-
-    monkeypatch.setattr(train, "micro_step", interrupted)
+    sigterm_in_step.stop(4)
     out = tmp_path / "resumed"
     text = invoke(train.app, [*args, "--out-dir", out])
     assert "stopped by SIGTERM at step 5" in text
-    monkeypatch.setattr(train, "micro_step", real)
+    sigterm_in_step.resume()
     text = invoke(train.app, [*args, "--out-dir", out])
     assert "resumed from" in text
     straight = load_file(str(tmp_path / "straight" / "model_step_6.safetensors"))

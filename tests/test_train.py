@@ -99,26 +99,17 @@ def test_loss_falls_and_metrics_are_written(corpus, tmp_path):
     assert meta["tokenizer"] == {"name": "byte"} and meta["data"]["consumed"] == 40 * 8
 
 
-def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, monkeypatch):
+def test_resumed_run_continues_bit_for_bit(corpus, tmp_path, sigterm_in_step):
     args = ["--data", corpus, *BASE, "--max-steps", 12, "--save-every", 6]
     run(*args, "--out-dir", tmp_path / "straight")
 
     # the second run is stopped by SIGTERM during step 6 (steps count from 0): it finishes the
     # step, saves step 7 and exits; then it is resumed
-    real = train.micro_step
-    calls = []
-
-    def interrupted(model, x, y, autocast):
-        calls.append(1)
-        if len(calls) == 2 * 6 + 1:  # first micro-step of step 6
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(model, x, y, autocast)
-
-    monkeypatch.setattr(train, "micro_step", interrupted)
+    sigterm_in_step.stop(6)
     text = run(*args, "--out-dir", tmp_path / "resumed")
     assert "stopped by SIGTERM at step 7" in text
     assert (tmp_path / "resumed" / "meta_step_7.json").exists()
-    monkeypatch.setattr(train, "micro_step", real)
+    sigterm_in_step.resume()
     text = run(*args, "--out-dir", tmp_path / "resumed")
     assert "resumed from" in text and "step 7" in text
 
@@ -589,27 +580,18 @@ def test_a_muon_step_is_nesterov_momentum_orthogonalized(shape):
     assert s.min() > 0.6 and s.max() < 1.3
 
 
-def test_a_muon_run_resumes_bit_for_bit(corpus, tmp_path, monkeypatch):
+def test_a_muon_run_resumes_bit_for_bit(corpus, tmp_path, sigterm_in_step):
     args = ["--data", corpus, *BASE, "--max-steps", 8, "--save-every", 4, "--optimizer", "muon"]
     text = run(*args, "--out-dir", tmp_path / "straight")
     assert "Muon (the blocks' matrices, lr 0.003) and AdamW (lr 0.003" in text
-    real = train.micro_step
-    calls = []
-
-    def interrupted(model, x, y, autocast):
-        calls.append(1)
-        # The first micro-step of step 5 (steps count from 0): step 6 is saved.
-        if len(calls) == 2 * 5 + 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(model, x, y, autocast)
-
-    monkeypatch.setattr(train, "micro_step", interrupted)
+    # SIGTERM in step 5 (steps count from 0): step 6 is saved.
+    sigterm_in_step.stop(5)
     text = run(*args, "--out-dir", tmp_path / "resumed")
     assert "stopped by SIGTERM at step 6" in text
     saved = torch.load(tmp_path / "resumed" / "optim_step_6.pt", weights_only=True)
     muon_state, adamw_state = saved["optimizer"]
     assert "momentum_buffer" in muon_state["state"][0] and "exp_avg" in adamw_state["state"][0]
-    monkeypatch.setattr(train, "micro_step", real)
+    sigterm_in_step.resume()
     run(*args, "--out-dir", tmp_path / "resumed")
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
     assert_same_weights(weights(tmp_path / "straight", 8), weights(tmp_path / "resumed", 8))
