@@ -1,5 +1,7 @@
-r"""Generate text from a checkpoint: prefill the prompt with the chunked scan, then decode
-one token at a time with the O(1) recurrent step, streaming the text as it comes.
+r"""Generate text from a checkpoint: prefill the prompt (the chunked scan on a CPU, the fused
+Triton forward on a GPU), then decode one token at a time with the O(1) recurrent step,
+streaming the text as it comes. Each sample is a new document: it starts after an
+end-of-text token, as every document did in training.
 
     python sample.py --out-dir out --prompt "def " --max-new-tokens 300 \
         --temperature 0.8 --top-k 50
