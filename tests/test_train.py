@@ -535,6 +535,12 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(mimo_rank):
     assert isinstance(only, torch.optim.AdamW) and len(only.param_groups) == 2
 
 
+def test_muons_momentum_warms_up_over_100_steps():
+    momentum = train.muon_momentum
+    assert momentum(0) == 0.85 and momentum(100) == 0.95 and momentum(5000) == 0.95
+    assert momentum(50) == pytest.approx(0.90)
+
+
 def newton_schulz(G, steps=5):
     """The quintic Newton-Schulz iteration toward the orthogonal factor of G (float64)."""
     a, b, c = 3.4445, -4.7750, 2.0315
