@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from test_prepare import drop_byte_counts  # noqa: E402
+
 import ckpt  # noqa: E402
 import eval as eval_py  # noqa: E402
 import official  # noqa: E402
@@ -406,12 +408,7 @@ def test_data_refusals(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     make_run(tmp_path / "run")
     old = prepared(tmp_path, ["some text\n", "more text\n"], name="old")
-    m = json.loads((old / "manifest.json").read_text())
-    for split in m["splits"].values():
-        del split["bytes"]
-        for shard in split["shards"]:
-            del shard["bytes"]
-    (old / "manifest.json").write_text(json.dumps(m))
+    drop_byte_counts(old)
     good = prepared(tmp_path, ["some text\n", "more text\n"], name="good")
     # The same ids as a file tokenizer: still not the tokenizer the data was made with.
     tokenizer = tmp_path / "tokenizer.json"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import PRESETS, Attention, Mamba3LM, Mamba3Mixer, ModelConfig
+from test_model import assert_compiled_matches_eager_under_autocast
 
 EOS = 3
 
@@ -269,17 +270,7 @@ def test_gradient_checkpointing_and_compile_under_autocast():
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6)
     model.grad_checkpointing = False
-    results = []
-    for fn in (model, torch.compile(model, backend="aot_eager")):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = fn(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    assert torch.allclose(eager_loss, compiled_loss, rtol=1e-3)
-    for a, b in zip(eager_grads, compiled_grads):
-        assert torch.allclose(a, b, rtol=2e-2, atol=1e-3 * a.abs().max().item())
+    assert_compiled_matches_eager_under_autocast(model, idx)
 
 
 # --- the official format: attn_layer_idx and attn_cfg ---

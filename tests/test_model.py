@@ -253,12 +253,9 @@ def test_mixer_is_out_proj_of_region_of_in_proj():
     assert torch.equal(mixer(zxbcdt), mixer.region(zxbcdt))
 
 
-def test_compiled_model_under_cpu_bf16_autocast_matches_eager():
-    # train.py's default on CPUs with bf16 arithmetic: the chunked scan's hand-written backward must run in its
-    # compute dtype even when torch.compile traces it under the caller's autocast
-    torch.manual_seed(0)
-    model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=257))
-    x = torch.randint(0, 257, (2, 33))
+def assert_compiled_matches_eager_under_autocast(model, x):
+    """Loss and gradients of `model` on x under CPU bf16 autocast, eager against
+    torch.compile (aot_eager), to bf16's precision."""
     grads = []
     for fn in (model, torch.compile(model, backend="aot_eager")):
         model.zero_grad()
@@ -270,3 +267,11 @@ def test_compiled_model_under_cpu_bf16_autocast_matches_eager():
     assert torch.allclose(eager_loss, compiled_loss, rtol=1e-3)
     for a, b in zip(eager_grads, compiled_grads):
         assert torch.allclose(a, b, rtol=2e-2, atol=1e-3 * a.abs().max().item())
+
+
+def test_compiled_model_under_cpu_bf16_autocast_matches_eager():
+    # train.py's default on CPUs with bf16 arithmetic: the chunked scan's hand-written backward must run in its
+    # compute dtype even when torch.compile traces it under the caller's autocast
+    torch.manual_seed(0)
+    model = Mamba3LM(dataclasses.replace(PRESETS["tiny"], vocab_size=257))
+    assert_compiled_matches_eager_under_autocast(model, torch.randint(0, 257, (2, 33)))

@@ -691,19 +691,25 @@ def test_the_manifest_counts_the_bytes_of_the_text(tmp_path):
         assert other["splits"][name]["bytes"] == manifest["splits"][name]["bytes"]
 
 
-@pytest.mark.smoke
-def test_a_manifest_without_byte_counts_still_loads(tmp_path):
-    (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a.txt").write_text("an older manifest " * 20)
-    (tmp_path / "corpus" / "b.txt").write_text("has no byte counts " * 20)
-    run([tmp_path / "corpus"], tmp_path / "out", "byte", val_fraction=0.5)
-    path = tmp_path / "out" / "manifest.json"
+def drop_byte_counts(directory):
+    """Make `directory`'s manifest one from before the byte counts; return it."""
+    path = Path(directory) / "manifest.json"
     m = json.loads(path.read_text())
     for split in m["splits"].values():
         del split["bytes"]
         for shard in split["shards"]:
             del shard["bytes"]
     path.write_text(json.dumps(m))
+    return m
+
+
+@pytest.mark.smoke
+def test_a_manifest_without_byte_counts_still_loads(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("an older manifest " * 20)
+    (tmp_path / "corpus" / "b.txt").write_text("has no byte counts " * 20)
+    run([tmp_path / "corpus"], tmp_path / "out", "byte", val_fraction=0.5)
+    m = drop_byte_counts(tmp_path / "out")
     assert read_manifest(tmp_path / "out") == m
     assert open_tokens(tmp_path / "out", "val").text_bytes is None
     assert verify(tmp_path / "out") == []

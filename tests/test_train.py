@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from test_prepare import drop_byte_counts
+
 import ckpt
 import data
 import official
@@ -475,12 +477,7 @@ def test_eval_records_bits_per_byte_only_when_the_manifest_counts_bytes(corpus, 
     # A manifest from before the byte counts: the eval is as it was.
     old = tmp_path / "old"
     shutil.copytree(corpus, old)
-    m = json.loads((old / "manifest.json").read_text())
-    for split in m["splits"].values():
-        del split["bytes"]
-        for shard in split["shards"]:
-            del shard["bytes"]
-    (old / "manifest.json").write_text(json.dumps(m))
+    drop_byte_counts(old)
     text = run("--data", old, *BASE, "--max-steps", 2, "--out-dir", tmp_path / "run2")
     (again,) = records(tmp_path / "run2", "eval")
     assert "val_bpb" not in again and "bpb" not in text
